@@ -1,0 +1,210 @@
+"""The main job, ``pisa bench``: selection and attention timings plus selection quality.
+
+Rows follow the result schema every benchmark of the project writes::
+
+    {"meta": {"device", "torch", "triton", "date", "command"},
+     "rows": [{"op", "impl", "backend", "B", "T", "HQ", "HKV", "D", "K", "C", "g", "W", "dtype",
+               "ms", "peak_gb", "recall", "mass"}]}
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .api import pisa_attn, pisa_select
+from .eval.metrics import captured_mass, dense_lse, recall_at_k
+from .eval.synthetic import structured_qkv
+
+SELECTORS = ("pyramid", "flat_mean", "flat_lse")
+
+
+@dataclass
+class BenchConfig:
+    lengths: list[int]
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    topk: int = 16
+    block_size: int = 64
+    branching: int = 2
+    beam: int | None = None
+    dtype: str = "float32"
+    backend: str = "auto"
+    device: str = "cpu"
+    flat_lse_max: int = 65536
+    quality_max: int = 16384
+    dense_max: int = 1 << 20
+    backward: bool = False
+    reps: int = 3
+    log: object = field(default=sys.stderr, repr=False)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def meta(device: str, command: str) -> dict:
+    triton_version = None
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+        triton_version = triton.__version__
+    return {"device": device_name(device), "torch": torch.__version__, "triton": triton_version,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command}
+
+
+def time_ms(fn, device: str, reps: int = 3) -> float:
+    """Median milliseconds of ``fn()``: CUDA events via triton's do_bench, else wall clock."""
+    if device.startswith("cuda"):
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_gb(device: str) -> float | None:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return None
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def dense_attention(q, k, v, device: str):
+    """Dense causal SDPA; on CUDA forced to the cuDNN backend (GQA by repeating K/V first)."""
+    G = q.shape[2] // k.shape[2]
+    qt = q.transpose(1, 2)
+    kt = k.repeat_interleave(G, dim=2).transpose(1, 2) if G > 1 else k.transpose(1, 2)
+    vt = v.repeat_interleave(G, dim=2).transpose(1, 2) if G > 1 else v.transpose(1, 2)
+    if device.startswith("cuda"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def run():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        return run
+    return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+
+def run_bench(cfg: BenchConfig, command: str = "pisa bench") -> dict:
+    """Sweep ``cfg.lengths``; returns ``{"meta", "rows"}`` in the project's result schema."""
+    dtype = getattr(torch, cfg.dtype)
+    W = cfg.beam or cfg.topk
+    knobs = dict(block_size=cfg.block_size, topk=cfg.topk, branching=cfg.branching,
+                 beam=cfg.beam, backend=cfg.backend)
+    rows = []
+
+    def row(op, impl, T, ms, peak=None, recall=None, mass=None):
+        r = {"op": op, "impl": impl, "backend": cfg.backend, "B": cfg.batch, "T": T,
+             "HQ": cfg.heads, "HKV": cfg.kv_heads, "D": cfg.head_dim, "K": cfg.topk,
+             "C": cfg.block_size, "g": cfg.branching, "W": W, "dtype": cfg.dtype, "ms": ms,
+             "peak_gb": peak, "recall": recall, "mass": mass}
+        rows.append(r)
+        print(f"  {op:7s} {impl:10s} T={T:<8d} ms={ms if ms is None else round(ms, 3)}"
+              f" recall={recall} mass={mass}", file=cfg.log, flush=True)
+
+    for T in cfg.lengths:
+        print(f"[pisa bench] T={T} on {cfg.device}", file=cfg.log, flush=True)
+        q, k, v = structured_qkv(cfg.batch, T, cfg.heads, cfg.kv_heads, cfg.head_dim,
+                                 block_size=cfg.block_size, dtype=dtype, device=cfg.device,
+                                 seed=T)
+        quality = T <= cfg.quality_max
+        full = dense_lse(q, k, cfg.head_dim ** -0.5) if quality else None
+        oracle = None
+        for sel in SELECTORS:
+            if sel == "flat_lse" and T > cfg.flat_lse_max:
+                continue
+            reset_peak(cfg.device)
+            ms = time_ms(lambda: pisa_select(q, k, selector=sel, **knobs), cfg.device, cfg.reps)
+            peak = peak_gb(cfg.device)
+            recall = mass = None
+            if quality:
+                idx, _ = pisa_select(q, k, selector=sel, **knobs)
+                oracle = oracle if oracle is not None else \
+                    pisa_select(q, k, selector="flat_lse", **knobs)[0]
+                recall = recall_at_k(idx, oracle, T, cfg.block_size)
+                mass = captured_mass(q, k, idx, cfg.block_size, full_lse=full,
+                                     backend=cfg.backend)
+            row("select", sel, T, ms, peak, recall, mass)
+        reset_peak(cfg.device)
+        row("fwd", "pisa", T, time_ms(lambda: pisa_attn(q, k, v, **knobs), cfg.device, cfg.reps),
+            peak_gb(cfg.device))
+        if T <= cfg.dense_max:
+            reset_peak(cfg.device)
+            dense = dense_attention(q, k, v, cfg.device)
+            row("fwd", "dense", T, time_ms(dense, cfg.device, cfg.reps), peak_gb(cfg.device))
+        if cfg.backward:
+            _bench_fwdbwd(cfg, q, k, v, knobs, T, row)
+    return {"meta": meta(cfg.device, command), "rows": rows}
+
+
+def _bench_fwdbwd(cfg, q, k, v, knobs, T, row):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    do = torch.randn_like(q)
+
+    def step(fwd):
+        def run():
+            torch.autograd.backward(fwd(), do)
+            q.grad = k.grad = v.grad = None
+        return run
+    reset_peak(cfg.device)
+    row("fwdbwd", "pisa", T, time_ms(step(lambda: pisa_attn(q, k, v, **knobs)), cfg.device,
+                                     cfg.reps), peak_gb(cfg.device))
+    if T <= cfg.dense_max:
+        dense = dense_attention(q, k, v, cfg.device)
+        reset_peak(cfg.device)
+        row("fwdbwd", "dense", T,
+            time_ms(step(lambda: dense().transpose(1, 2)), cfg.device, cfg.reps),
+            peak_gb(cfg.device))
+
+
+def format_table(result: dict) -> str:
+    """One line per length: selection ms, attention ms, recall@K and captured mass."""
+    by_t: dict[int, dict] = {}
+    for r in result["rows"]:
+        by_t.setdefault(r["T"], {})[(r["op"], r["impl"])] = r
+
+    def cell(d, key, field_, fmt):
+        r = d.get(key)
+        return "-" if r is None or r[field_] is None else format(r[field_], fmt)
+    head = ("T", "sel pyr ms", "sel fmean ms", "sel flse ms", "pisa fwd ms", "dense fwd ms",
+            "pisa fb ms", "dense fb ms", "rec pyr", "rec fmean", "mass pyr", "mass fmean",
+            "mass flse")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for T, d in sorted(by_t.items()):
+        lines.append(" | ".join([
+            str(T),
+            cell(d, ("select", "pyramid"), "ms", ".2f"),
+            cell(d, ("select", "flat_mean"), "ms", ".2f"),
+            cell(d, ("select", "flat_lse"), "ms", ".2f"),
+            cell(d, ("fwd", "pisa"), "ms", ".2f"),
+            cell(d, ("fwd", "dense"), "ms", ".2f"),
+            cell(d, ("fwdbwd", "pisa"), "ms", ".2f"),
+            cell(d, ("fwdbwd", "dense"), "ms", ".2f"),
+            cell(d, ("select", "pyramid"), "recall", ".3f"),
+            cell(d, ("select", "flat_mean"), "recall", ".3f"),
+            cell(d, ("select", "pyramid"), "mass", ".3f"),
+            cell(d, ("select", "flat_mean"), "mass", ".3f"),
+            cell(d, ("select", "flat_lse"), "mass", ".3f"),
+        ]))
+    return "\n".join("| " + ln + " |" for ln in lines)

@@ -1,0 +1,83 @@
+"""Command line: ``pisa bench`` (the main job)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+import torch
+
+from .bench import BenchConfig, format_table, run_bench
+
+CPU_DEFAULTS = dict(lengths=[1024, 2048, 4096], heads=8, kv_heads=2, head_dim=64,
+                    dtype="float32", quality_max=4096, backward=False)
+CUDA_DEFAULTS = dict(lengths=[8192, 16384, 32768, 65536, 131072], heads=64, kv_heads=4,
+                     head_dim=128, dtype="bfloat16", quality_max=32768, backward=True)
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time selection and attention, report selection quality",
+                       description="Sweep sequence lengths on the device present (CUDA if "
+                       "available) and print one table: selection time of pyramid / flat_mean / "
+                       "flat_lse, attention time of pisa vs dense SDPA, recall@K against flat_lse "
+                       "and captured attention mass. Defaults depend on the device.")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--lengths", type=int, nargs="+", help="sequence lengths T")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, help="query heads HQ")
+    p.add_argument("--kv-heads", type=int, help="key/value heads HKV")
+    p.add_argument("--head-dim", type=int, help="head dim D")
+    p.add_argument("--topk", type=int, default=16, help="blocks per query K")
+    p.add_argument("--block-size", type=int, default=64, help="leaf block size C")
+    p.add_argument("--branching", type=int, default=2, help="pyramid branching g")
+    p.add_argument("--beam", type=int, default=None, help="beam width W (default K)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--flat-lse-max", type=int, default=65536,
+                   help="longest T at which the quadratic flat_lse selector is timed")
+    p.add_argument("--quality-max", type=int,
+                   help="longest T at which recall/mass are measured (needs a dense LSE pass)")
+    p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time forward+backward")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (median)")
+    p.add_argument("--json", metavar="PATH", help="write the result rows as JSON")
+
+
+def bench_main(args: argparse.Namespace, argv: list[str]) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    defaults = CUDA_DEFAULTS if device.startswith("cuda") else CPU_DEFAULTS
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None \
+        else defaults[name]  # noqa: E731
+    cfg = BenchConfig(lengths=pick("lengths"), batch=args.batch, heads=pick("heads"),
+                      kv_heads=pick("kv_heads"), head_dim=pick("head_dim"), topk=args.topk,
+                      block_size=args.block_size, branching=args.branching, beam=args.beam,
+                      dtype=pick("dtype"), backend=args.backend, device=device,
+                      flat_lse_max=args.flat_lse_max, quality_max=pick("quality_max"),
+                      backward=pick("backward"), reps=args.reps)
+    result = run_bench(cfg, command="pisa " + shlex.join(argv))
+    m = result["meta"]
+    print(f"pisa bench on {m['device']} | torch {m['torch']} | triton {m['triton']} | "
+          f"B={cfg.batch} HQ={cfg.heads} HKV={cfg.kv_heads} D={cfg.head_dim} K={cfg.topk} "
+          f"C={cfg.block_size} g={cfg.branching} W={cfg.beam or cfg.topk} {cfg.dtype}")
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="pisa", description="PISA block-sparse attention")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _bench_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench_main(args, argv)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

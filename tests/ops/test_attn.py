@@ -1,0 +1,119 @@
+import math
+
+import pytest
+import torch
+
+from pisa.ops.attn import SparseAttnTorch, sparse_attn
+from pisa.ops.naive import naive_attn, naive_dense_attn
+from pisa.ops.select import select_torch
+from pisa.ops.utils import SelectConfig
+
+
+def _inputs(B, Tq, Tk, HKV, G, D, dtype=torch.float64):
+    q = torch.randn(B, Tq, HKV * G, D, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Tk, HKV, D, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Tk, HKV, D, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def _random_selection(B, Tq, Tk, HKV, C, S):
+    """Forced blocks plus random earlier blocks, ascending, -1 padded (rows of varying fill)."""
+    idx = torch.full((B, Tq, HKV, S), -1, dtype=torch.int32)
+    for b in range(B):
+        for t in range(Tq):
+            cur = (Tk - Tq + t) // C
+            for h in range(HKV):
+                pool = torch.randperm(cur + 1)[:torch.randint(1, S + 1, ()).item()].tolist()
+                chosen = sorted(set(pool) | {cur})[:S]
+                idx[b, t, h, :len(chosen)] = torch.tensor(sorted(chosen), dtype=torch.int32)
+    return idx
+
+
+def _grads(o, inputs, do):
+    return torch.autograd.grad(o, inputs, do)
+
+
+CASES = [  # T, G, D, scorer
+    (1, 1, 32, "lse"), (63, 4, 64, "mean"), (65, 16, 32, "meanvar"), (127, 1, 64, "lse"),
+    (1000, 4, 32, "lse"), (127, 16, 64, "meanvar"), (65, 1, 32, "lse")]
+
+
+@pytest.mark.parametrize("T,G,D,scorer", CASES)
+def test_torch_attention_equals_naive_with_pyramid_selection(T, G, D, scorer, rng):
+    B, HKV = (1, 1) if T >= 1000 else (2, 2)
+    C = 16 if T >= 1000 else 8
+    q, k, v = _inputs(B, T, T, HKV, G, D)
+    cfg = SelectConfig(C, 6, 2, 4, scorer, "pyramid", True, D ** -0.5)
+    idx, _ = select_torch(q.detach(), k.detach(), cfg)  # equal to naive_select: test_select.py
+    o, lse = sparse_attn(q, k, v, idx, C, cfg.scale, "torch")
+    o_ref, lse_ref = naive_attn(q, k, v, idx, C, cfg.scale)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-6, atol=1e-6)
+    do = torch.randn_like(o)
+    for got, want in zip(_grads(o, (q, k, v), do), _grads(o_ref, (q, k, v), do)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 2e-3),
+                                       (torch.bfloat16, 1.6e-2)])
+def test_low_precision_within_dtype_tolerance(dtype, tol, rng):
+    B, Tq, Tk, HKV, G, D, C = 2, 70, 150, 2, 4, 32, 8
+    q, k, v = _inputs(B, Tq, Tk, HKV, G, D, dtype)
+    idx = _random_selection(B, Tq, Tk, HKV, C, 6)
+    o, lse = sparse_attn(q, k, v, idx, C, D ** -0.5, "torch")
+    assert o.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, HKV * G, Tq)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o_ref, lse_ref = naive_attn(qd, kd, vd, idx, C, D ** -0.5)
+    rel = lambda a, b: float((a.detach().double() - b).norm() / b.norm())  # noqa: E731
+    assert rel(o, o_ref) < tol
+    assert rel(lse, lse_ref) < tol
+    do = torch.randn_like(o)
+    for got, want in zip(_grads(o, (q, k, v), do), _grads(o_ref, (qd, kd, vd), do.double())):
+        assert rel(got, want) < 2 * tol
+
+
+def test_every_block_selected_equals_dense_causal(rng):
+    B, Tq, Tk, HKV, G, D, C = 1, 50, 131, 2, 4, 16, 8
+    q, k, v = _inputs(B, Tq, Tk, HKV, G, D)
+    n = -(-Tk // C)
+    idx = torch.arange(n, dtype=torch.int32).expand(B, Tq, HKV, n).contiguous()
+    o, lse = sparse_attn(q, k, v, idx, C, 0.3, "torch")
+    o_ref, lse_ref = naive_dense_attn(q, k, v, 0.3)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_gqa_equals_repeated_kv_mha(rng):
+    B, T, HKV, G, D, C = 2, 90, 2, 4, 16, 8
+    q, k, v = _inputs(B, T, T, HKV, G, D)
+    idx = _random_selection(B, T, T, HKV, C, 5)
+    o = sparse_attn(q, k, v, idx, C, 0.25, "torch")[0]
+    rep = lambda x: x.repeat_interleave(G, dim=2)  # noqa: E731
+    o_mha = sparse_attn(q, rep(k), rep(v), rep(idx).contiguous(), C, 0.25, "torch")[0]
+    torch.testing.assert_close(o, o_mha, rtol=1e-12, atol=1e-12)
+
+
+def test_lse_matches_torch_logsumexp_of_selected_logits(rng):
+    B, T, HKV, G, D, C = 1, 40, 1, 2, 16, 8
+    q, k, v = _inputs(B, T, T, HKV, G, D)
+    idx = _random_selection(B, T, T, HKV, C, 3)
+    _, lse = sparse_attn(q, k, v, idx, C, 0.5, "torch")
+    for t in range(T):
+        keys = [j for c in idx[0, t, 0].tolist() if c >= 0
+                for j in range(c * C, min((c + 1) * C, t + 1))]
+        logits = 0.5 * q[0, t].detach() @ k[0, keys, 0].detach().T  # [G, n]
+        torch.testing.assert_close(lse[0, :, t].double(), torch.logsumexp(logits, -1),
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_outputs_are_poisoned_then_fully_written(rng, monkeypatch):
+    """The torch backend allocates o/lse filled with NaN; a row the kernel skipped would stay NaN.
+    Also check an empty selection row yields o = 0 and lse = -inf rather than NaN."""
+    B, T, HKV, G, D, C = 1, 33, 1, 2, 16, 8
+    q, k, v = _inputs(B, T, T, HKV, G, D)
+    idx = _random_selection(B, T, T, HKV, C, 3)
+    idx[0, 5] = -1  # a row with no block at all
+    with torch.no_grad():
+        o, lse = SparseAttnTorch.apply(q, k, v, idx, C, 0.25)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert bool((o[0, 5] == 0).all()) and bool((lse[0, :, 5] == -math.inf).all())

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from pisa.ops.naive import naive_pyramid
+from pisa.ops.pyramid import build_pyramid_torch, level_offsets
+from pisa.ops.utils import level_sizes
+
+
+@pytest.mark.parametrize("T,C,g", [(1, 4, 2), (63, 4, 2), (64, 4, 2), (65, 8, 4), (1000, 16, 2),
+                                   (130, 8, 3)])
+def test_every_summary_is_the_exact_mean_of_its_keys(T, C, g, rng):
+    k = torch.randn(2, T, 3, 8, dtype=torch.float64)
+    pyr = build_pyramid_torch(k, C, g)
+    assert pyr.n_levels == len(level_sizes(-(-T // C), g))
+    assert pyr.level(pyr.n_levels)[1].tolist() == [T], "the root holds every key"
+    for lvl in range(1, pyr.n_levels + 1):
+        means, counts = pyr.level(lvl)
+        span = C * g ** (lvl - 1)
+        for i in range(means.shape[1]):
+            keys = k[:, i * span:(i + 1) * span]
+            assert counts[i] == keys.shape[1]
+            torch.testing.assert_close(means[:, i].double(), keys.mean(1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,C,g", [(127, 4, 2), (300, 8, 4)])
+def test_torch_pyramid_matches_naive(T, C, g, rng):
+    k = torch.randn(1, T, 2, 16)
+    pyr = build_pyramid_torch(k, C, g)
+    levels = naive_pyramid(k, C, g)
+    assert pyr.offsets == level_offsets(T, C, g)
+    for lvl, (means, counts) in enumerate(levels, start=1):
+        got_means, got_counts = pyr.level(lvl)
+        assert torch.equal(got_counts.long(), counts)
+        torch.testing.assert_close(got_means.double(), means, rtol=1e-5, atol=1e-5)
