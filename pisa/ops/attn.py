@@ -1,100 +1,150 @@
 """Sparse attention over selected key blocks: the vectorised PyTorch backend and the dispatcher.
 
-The torch backend gathers each query's selected keys and values chunk by chunk, so memory stays
-O(chunk · S · C · D); its backward recomputes the chunk's probabilities from the saved LSE (as
-FlashAttention does) and scatters dK/dV with ``index_add_``. No ``[T, T]`` or ``[T, N/C]`` tensor.
+The torch backend regroups the (query, selected block) pairs of a chunk of queries by block
+(``utils.group_pairs``): each group of up to ``PAIRS_PER_GROUP`` queries reads its block's keys and
+values once and computes a partial softmax (max, sum, unnormalised output) with batched matmuls; the
+partials of a query's blocks are then merged (as flash-decoding merges splits). The backward
+recomputes probabilities from the saved LSE (as FlashAttention does) in the same grouped layout, so
+dK/dV accumulate per block. Memory is O(chunk · S · G · (C + D)); no ``[T, T]`` or ``[T, N/C]``.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .select import CHUNK_ELEMS
-from .utils import BACKENDS
+from .utils import BACKENDS, PairGroups, group_pairs
+
+PAIRS_PER_GROUP = 32
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _gather_kv(k, v, idx, t_abs, block_size, dtype):
-    """Keys/values of the selected blocks: ``[B, Tc, H, S*C, D]`` each, plus the validity mask
-    ``[B, Tc, H, S*C]`` (selected, causal, inside the sequence) and the flat row index."""
-    B, Tk, H, D = k.shape
-    _, Tc, _, S = idx.shape
-    pos = idx.long()[..., None] * block_size + torch.arange(block_size, device=k.device)
-    pos = pos.flatten(-2)  # [B, Tc, H, S*C]
-    ok = (idx.long().repeat_interleave(block_size, -1) >= 0) & (pos < Tk) \
-        & (pos <= t_abs[None, :, None, None])
-    rows = ((torch.arange(B, device=k.device)[:, None, None, None] * Tk + pos.clamp(0, Tk - 1)) * H
-            + torch.arange(H, device=k.device)[None, None, :, None])
-    kk = k.reshape(B * Tk * H, D)[rows].to(dtype)
-    vv = v.reshape(B * Tk * H, D)[rows].to(dtype)
-    return kk, vv, ok, rows
+def _blocked(x: torch.Tensor, block_size: int, dtype) -> torch.Tensor:
+    """``x [B, T, H, D]`` as ``[B*H*N, C, D]`` blocks (zero-padded tail) in the compute dtype."""
+    B, T, H, D = x.shape
+    N = -(-T // block_size)
+    x = torch.nn.functional.pad(x.to(dtype), (0, 0, 0, 0, 0, N * block_size - T))
+    return x.view(B, N, block_size, H, D).permute(0, 3, 1, 2, 4).reshape(B * H * N, block_size, D)
 
 
-def _chunk_probs(qc, kk, ok, lse, scale):
-    """Logits ``[B, Tc, H, G, J]`` masked to -inf and, if ``lse`` is given, probabilities."""
-    s = torch.einsum("bthgd,bthjd->bthgj", qc, kk) * scale
-    s = s.masked_fill(~ok[:, :, :, None, :], -math.inf)
-    if lse is None:
-        return s
-    return torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+def _unblocked(xb: torch.Tensor, shape) -> torch.Tensor:
+    B, T, H, D = shape
+    N = xb.shape[0] // (B * H)
+    return xb.view(B, H, N * xb.shape[1], D)[:, :, :T].permute(0, 2, 1, 3)
 
 
-def _chunks(q, k, block_idx, block_size):
-    """Yield ``(start, end, t_abs)`` chunks of queries sized to bound the gathered tensors."""
+@dataclass
+class _Chunk:
+    """The grouped pairs of one chunk of queries ``[s, e)``."""
+
+    pg: PairGroups
+    row: torch.Tensor     # [n_groups * size] query row (b, t, h) of each slot; the last row = empty
+    n_rows: int           # B * Tc * H
+    mask: torch.Tensor    # [n_groups, size, 1, C] key is causal and inside the sequence
+
+
+def _chunk(block_idx, s, e, Tq, Tk, n_blocks, block_size) -> _Chunk:
+    B, _, H, _ = block_idx.shape
+    Tc = e - s
+    idx = block_idx[:, s:e]
+    b, t, h, j = torch.nonzero(idx >= 0, as_tuple=True)
+    blk = idx[b, t, h, j].long()
+    pg = group_pairs((b * H + h) * n_blocks + blk, B * H * n_blocks, PAIRS_PER_GROUP)
+    n_rows = B * Tc * H
+    row = pg.layout((b * Tc + t) * H + h, n_rows)
+    t_abs = pg.layout(Tk - Tq + s + t, -1).view(pg.n_groups, PAIRS_PER_GROUP, 1, 1)
+    key = (pg.block % n_blocks)[:, None] * block_size + torch.arange(block_size,
+                                                                     device=idx.device)
+    mask = (key[:, None, None, :] <= t_abs) & (key[:, None, None, :] < Tk)
+    return _Chunk(pg, row, n_rows, mask)
+
+
+def _rows(x: torch.Tensor, ch: _Chunk, s: int, e: int, fill: float = 0.0) -> torch.Tensor:
+    """Per-slot copy of ``x [B, Tq, H*G, ...]`` rows of the chunk: ``[n_groups, size, G, ...]``,
+    reading ``fill`` in empty slots."""
+    B, H = x.shape[0], ch.n_rows // (x.shape[0] * (e - s))
+    xr = x[:, s:e].reshape(ch.n_rows, x.shape[2] // H, *x.shape[3:])
+    xr = torch.cat([xr, xr.new_full((1, *xr.shape[1:]), fill)])
+    return xr[ch.row].view(ch.pg.n_groups, PAIRS_PER_GROUP, *xr.shape[1:])
+
+
+def _logits(qg, kb, ch, scale):
+    """Masked logits ``[n_groups, size, G, C]`` of each slot's query heads against its block."""
+    ng, P, G, D = qg.shape
+    z = torch.bmm(qg.view(ng, P * G, D), kb[ch.pg.block].transpose(1, 2)) * scale
+    return z.view(ng, P, G, -1).masked_fill_(~ch.mask, -math.inf)
+
+
+def _chunks(q, k, block_idx):
     B, Tq, HQ, D = q.shape
-    per_token = B * (2 * k.shape[2] * D + HQ) * block_idx.shape[-1] * block_size
+    C_D = D + 16  # logits, partial outputs and gathered rows per (query head, block)
+    per_token = B * HQ * block_idx.shape[-1] * 4 * C_D
     step = max(1, min(Tq, CHUNK_ELEMS // max(per_token, 1)))
-    Tk = k.shape[1]
-    for s in range(0, Tq, step):
-        e = min(Tq, s + step)
-        yield s, e, torch.arange(Tk - Tq + s, Tk - Tq + e, device=q.device)
+    return [(s, min(Tq, s + step)) for s in range(0, Tq, step)]
 
 
 def _fwd_torch(q, k, v, block_idx, block_size, scale):
     B, Tq, HQ, D = q.shape
-    H = k.shape[2]
-    G = HQ // H
+    Tk, H = k.shape[1], k.shape[2]
+    G, N = HQ // H, -(-Tk // block_size)
     ct = _compute_dtype(q)
+    kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)
     o = torch.full_like(q, math.nan)
-    lse = torch.full((B, Tq, H, G), math.nan, dtype=ct, device=q.device)
-    for s, e, t_abs in _chunks(q, k, block_idx, block_size):
-        kk, vv, ok, _ = _gather_kv(k, v, block_idx[:, s:e], t_abs, block_size, ct)
-        qc = q[:, s:e].to(ct).view(B, e - s, H, G, D)
-        logits = _chunk_probs(qc, kk, ok, None, scale)
-        lse_c = torch.logsumexp(logits, dim=-1)
-        p = torch.exp(logits - torch.where(torch.isfinite(lse_c), lse_c, 0.0)[..., None])
-        o[:, s:e] = torch.einsum("bthgj,bthjd->bthgd", p, vv).reshape(B, e - s, HQ, D).to(q.dtype)
-        lse[:, s:e] = lse_c
-    return o, lse.reshape(B, Tq, HQ).transpose(1, 2).contiguous()
+    lse = torch.full((B, Tq, HQ), math.nan, dtype=ct, device=q.device)
+    for s, e in _chunks(q, k, block_idx):
+        ch = _chunk(block_idx, s, e, Tq, Tk, N, block_size)
+        z = _logits(_rows(q.to(ct), ch, s, e), kb, ch, scale)  # [ng, P, G, C]
+        m = z.amax(-1)
+        m = torch.where(torch.isfinite(m), m, -math.inf)
+        p = torch.exp(z - torch.where(torch.isfinite(m), m, 0.0)[..., None])
+        part = torch.bmm(p.view(ch.pg.n_groups, -1, block_size), vb[ch.pg.block])
+        # merge the partial softmaxes of each query row's blocks
+        top = torch.full((ch.n_rows + 1, G), -math.inf, dtype=ct, device=q.device)
+        top.scatter_reduce_(0, ch.row[:, None].expand(-1, G), m.view(-1, G), "amax")
+        w = torch.exp(m.view(-1, G) - torch.where(torch.isfinite(top), top, 0.0)[ch.row])
+        den = torch.zeros_like(top).index_add_(0, ch.row, w * p.sum(-1).view(-1, G))
+        num = torch.zeros(ch.n_rows + 1, G, D, dtype=ct, device=q.device)
+        num.index_add_(0, ch.row, w[..., None] * part.view(-1, G, D))
+        ok = den[:-1] > 0
+        out = torch.where(ok[..., None], num[:-1] / torch.where(ok, den[:-1], 1.0)[..., None], 0.0)
+        o[:, s:e] = out.view(B, e - s, HQ, D).to(q.dtype)
+        lse[:, s:e] = torch.where(ok, top[:-1] + den[:-1].log(), -math.inf).view(B, e - s, HQ)
+    return o, lse.transpose(1, 2).contiguous()
 
 
 def _bwd_torch(do, q, k, v, o, lse, block_idx, block_size, scale):
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
-    G = HQ // H
+    N = -(-Tk // block_size)
     ct = _compute_dtype(q)
-    dq = torch.empty_like(q)
-    dk = torch.zeros(B * Tk * H, D, dtype=ct, device=k.device)
-    dv = torch.zeros_like(dk)
-    lse = lse.transpose(1, 2).reshape(B, Tq, H, G).to(ct)
-    for s, e, t_abs in _chunks(q, k, block_idx, block_size):
-        kk, vv, ok, rows = _gather_kv(k, v, block_idx[:, s:e], t_abs, block_size, ct)
-        qc = q[:, s:e].to(ct).view(B, e - s, H, G, D)
-        doc = do[:, s:e].to(ct).view(B, e - s, H, G, D)
-        delta = (doc * o[:, s:e].to(ct).view(B, e - s, H, G, D)).sum(-1)
-        p = _chunk_probs(qc, kk, ok, lse[:, s:e], scale)
-        dp = torch.einsum("bthgd,bthjd->bthgj", doc, vv)
-        ds = p * (dp - delta[..., None]) * scale
-        dq[:, s:e] = torch.einsum("bthgj,bthjd->bthgd", ds, kk).reshape(B, e - s, HQ, D)
-        dk.index_add_(0, rows.reshape(-1),
-                      torch.einsum("bthgj,bthgd->bthjd", ds, qc).reshape(-1, D))
-        dv.index_add_(0, rows.reshape(-1),
-                      torch.einsum("bthgj,bthgd->bthjd", p, doc).reshape(-1, D))
-    return dq, dk.view_as(k).to(k.dtype), dv.view_as(v).to(v.dtype)
+    kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)
+    dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+    dq = torch.zeros(B, Tq, HQ, D, dtype=ct, device=q.device)
+    lse = lse.transpose(1, 2)[..., None].to(ct)  # [B, Tq, HQ, 1]
+    delta = (do.to(ct) * o.to(ct)).sum(-1, keepdim=True)  # [B, Tq, HQ, 1]
+    for s, e in _chunks(q, k, block_idx):
+        ch = _chunk(block_idx, s, e, Tq, Tk, N, block_size)
+        ng, P = ch.pg.n_groups, PAIRS_PER_GROUP
+        qg, dog = _rows(q.to(ct), ch, s, e), _rows(do.to(ct), ch, s, e)
+        lse_g = _rows(torch.where(torch.isfinite(lse), lse, 0.0), ch, s, e)
+        p = torch.exp(_logits(qg, kb, ch, scale) - lse_g)  # [ng, P, G, C]
+        dp = torch.bmm(dog.view(ng, -1, D), vb[ch.pg.block].transpose(1, 2)).view_as(p)
+        ds = p * (dp - _rows(delta, ch, s, e)) * scale
+        dqg = torch.bmm(ds.view(ng, -1, block_size), kb[ch.pg.block]).view_as(qg)
+        dq_rows = torch.zeros(ch.n_rows + 1, *qg.shape[2:], dtype=ct, device=q.device)
+        dq_rows.index_add_(0, ch.row, dqg.view(ng * P, *qg.shape[2:]))
+        dq[:, s:e] = dq_rows[:-1].view(B, e - s, HQ, D)
+        dkb.index_add_(0, ch.pg.block,
+                       torch.bmm(ds.view(ng, -1, block_size).transpose(1, 2), qg.view(ng, -1, D)))
+        dvb.index_add_(0, ch.pg.block,
+                       torch.bmm(p.view(ng, -1, block_size).transpose(1, 2), dog.view(ng, -1, D)))
+    return (dq.to(q.dtype), _unblocked(dkb, k.shape).to(k.dtype).contiguous(),
+            _unblocked(dvb, v.shape).to(v.dtype).contiguous())
 
 
 class SparseAttnTorch(torch.autograd.Function):

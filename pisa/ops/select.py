@@ -12,7 +12,7 @@ import math
 import torch
 
 from .pyramid import Pyramid, build_pyramid_torch
-from .utils import MAX_FORCED, SelectConfig, cdiv
+from .utils import MAX_FORCED, SelectConfig, cdiv, group_pairs
 
 # Elements (fp32) one query chunk may hold in its largest temporary.
 CHUNK_ELEMS = 1 << 24
@@ -85,33 +85,16 @@ def _exact_leaf_scores(qs, k_blocks, cand, scorer):
     b, t, h, m = torch.nonzero(cand >= 0, as_tuple=True)
     if b.numel() == 0:
         return out
-    leaf = (b * H + h) * N + cand[b, t, h, m].long()
-    leaf, order = torch.sort(leaf, stable=True)
-    per_leaf = torch.bincount(leaf, minlength=B * H * N)
-    groups_per_leaf = cdiv_t(per_leaf, PAIRS_PER_GROUP)
-    first_group = torch.cumsum(groups_per_leaf, 0) - groups_per_leaf
-    first_pair = torch.cumsum(per_leaf, 0) - per_leaf
-    rank = torch.arange(leaf.numel(), device=qs.device) - first_pair[leaf]
-    group = first_group[leaf] + rank // PAIRS_PER_GROUP
-    slot = rank % PAIRS_PER_GROUP
-    n_groups = int(groups_per_leaf.sum())
-    # One gather fills the grouped query buffer; empty slots read an appended zero row.
-    q_rows = torch.cat([qs.reshape(-1, G, D), qs.new_zeros(1, G, D)])
-    src = torch.full((n_groups * PAIRS_PER_GROUP,), q_rows.shape[0] - 1, device=qs.device)
-    src[group * PAIRS_PER_GROUP + slot] = ((b * Tc + t) * H + h)[order]
-    qbuf = q_rows[src]
-    group_leaf = torch.repeat_interleave(torch.arange(B * H * N, device=qs.device),
-                                         groups_per_leaf)
-    z = torch.bmm(qbuf.view(n_groups, PAIRS_PER_GROUP * G, D),
-                  k_blocks[group_leaf].transpose(1, 2))
-    z = z.view(n_groups, PAIRS_PER_GROUP, G, -1)
+    pg = group_pairs((b * H + h) * N + cand[b, t, h, m].long(), B * H * N, PAIRS_PER_GROUP)
+    q_rows = torch.cat([qs.reshape(-1, G, D), qs.new_zeros(1, G, D)])  # last row: empty slot
+    qbuf = q_rows[pg.layout((b * Tc + t) * H + h, q_rows.shape[0] - 1)]
+    z = torch.bmm(qbuf.view(pg.n_groups, PAIRS_PER_GROUP * G, D),
+                  k_blocks[pg.block].transpose(1, 2))
+    z = z.view(pg.n_groups, PAIRS_PER_GROUP, G, -1)
     score = _group_score(z, torch.ones_like(z[..., :1, :]), scorer, unit_weight=True)
-    out[b[order], t[order], h[order], m[order]] = score[group, slot]
+    o = pg.order
+    out[b[o], t[o], h[o], m[o]] = score[pg.group, pg.slot]
     return out
-
-
-def cdiv_t(x: torch.Tensor, d: int) -> torch.Tensor:
-    return (x + d - 1) // d
 
 
 def _finish(cand, score, forced, t_abs, cfg: SelectConfig):
