@@ -1,9 +1,9 @@
 """Random inputs whose attention has structure, so selection quality means something.
 
 Plain Gaussian q/k give near-uniform attention, where every selector looks alike. Here each key
-block gets a random "topic" direction mixed into its keys, and each query points at a few random
-earlier blocks' topics (plus noise), so a few blocks per query carry most of the attention mass —
-as in trained models, where mass concentrates in a handful of blocks.
+block gets a random "topic" direction carried by a few of its keys (``carriers`` per block, so the
+important blocks hold a handful of sharp keys, as measured in trained models), and each query points
+at a few random earlier blocks' topics (plus noise): a few blocks per query carry most of the mass.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 
 def structured_qkv(B: int, T: int, HQ: int, HKV: int, D: int, *, block_size: int = 64,
-                   targets: int = 4, strength: float = 1.0, dtype=torch.float32,
+                   targets: int = 4, strength: float = 1.0, carriers: int = 8,
+                   dtype=torch.float32,
                    device="cpu", seed: int | None = None):
     """``q [B, T, HQ, D]``, ``k, v [B, T, HKV, D]`` with planted query-to-block affinities."""
     gen = torch.Generator(device=device)
@@ -20,7 +21,8 @@ def structured_qkv(B: int, T: int, HQ: int, HKV: int, D: int, *, block_size: int
     rnd = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
     topics = rnd(B, n_blocks, HKV, D)
     block_of = torch.arange(T, device=device) // block_size
-    k = rnd(B, T, HKV, D) + topics[:, block_of]
+    carry = torch.rand(B, T, HKV, 1, generator=gen, device=device) < carriers / block_size
+    k = rnd(B, T, HKV, D) + carry * topics[:, block_of] * (block_size / carriers) ** 0.5
     cur = block_of.float()[None, :, None, None]
     u = torch.rand(B, T, HQ, targets, generator=gen, device=device)
     picks = (u * (cur + 1)).long()  # a uniformly random causal block per target
