@@ -40,7 +40,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+",
                     default=[8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576])
     ap.add_argument("--selectors", nargs="+", default=["pyramid", "flat_mean", "flat_lse"])
-    ap.add_argument("--flat-max", type=int, default=262144, help="longest T for flat selectors")
+    ap.add_argument("--flat-max", type=int, default=1 << 20, help="longest T for flat_mean")
+    ap.add_argument("--flat-lse-max", type=int, default=131072, help="longest T for flat_lse")
     ap.add_argument("--dense-max", type=int, default=262144, help="longest T for dense fwd+bwd")
     ap.add_argument("--dense-fwd-max", type=int, default=524288)
     ap.add_argument("--topk", type=int, default=16)
@@ -74,7 +75,7 @@ def main() -> None:
         v = torch.randn(1, T, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         do = torch.randn_like(q)
         for sel in args.selectors:
-            if sel != "pyramid" and T > args.flat_max:
+            if T > {"pyramid": T, "flat_mean": args.flat_max, "flat_lse": args.flat_lse_max}[sel]:
                 continue
             impl = "pisa" if sel == "pyramid" else sel
             with torch.no_grad():

@@ -1,0 +1,47 @@
+"""Log-log plot of time against T from a result file (one line per (op, impl)).
+
+    python benchmarks/plot.py benchmarks/results/train_h200.json docs/train_h200.png \
+        --ops select fwdbwd
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path")
+    ap.add_argument("out")
+    ap.add_argument("--ops", nargs="+", default=["select", "fwdbwd"])
+    args = ap.parse_args()
+    with open(args.path) as f:
+        result = json.load(f)
+    fig, axes = plt.subplots(1, len(args.ops), figsize=(6 * len(args.ops), 4.5), squeeze=False)
+    for ax, op in zip(axes[0], args.ops):
+        lines: dict[str, list] = {}
+        for r in result["rows"]:
+            if r["op"] == op and r["ms"] is not None:
+                lines.setdefault(r["impl"], []).append((r["T"], r["ms"]))
+        for impl, pts in lines.items():
+            pts.sort()
+            ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, base=2)
+        ax.set_xlabel("T (tokens)")
+        ax.set_ylabel("ms")
+        ax.set_title(op)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    m = result["meta"]
+    fig.suptitle(f"{m['device']} · torch {m['torch']} · triton {m['triton']} · {m['date'][:10]}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
