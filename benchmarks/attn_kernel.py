@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pisa.ops.attn_triton import (  # noqa: E402
     KernelConfig, _pow2, _tile_tokens, _tile_union, _transpose_selection, sparse_attn_triton)
+from pisa.bench import keys_attended  # noqa: E402
+from pisa.ops.attn import sparse_attn  # noqa: E402
 from pisa.ops.utils import cdiv  # noqa: E402
 
 BIG = 1 << 30
@@ -58,31 +59,9 @@ def random_selection(B, T, H, C, K, share, seed=0, device="cuda"):
     return torch.where(idx >= BIG, -1, idx).to(torch.int32).contiguous()
 
 
-def keys_attended(block_idx, C, Tk):
-    """Total (token, KV head) -> keys attended, summed: causal keys of each selected block."""
-    B, Tq, H, S = block_idx.shape
-    t_abs = (Tk - Tq + torch.arange(Tq, device=block_idx.device))[None, :, None, None]
-    c = block_idx.long()
-    n = (torch.minimum((c + 1) * C, t_abs + 1) - c * C).clamp_min(0)  # t_abs < Tk
-    return int(torch.where(c >= 0, n, 0).sum())
-
-
-def dense_masked_reference(q, k, v, block_idx, C, scale):
-    """fp32 masked dense attention: the accuracy oracle at moderate sizes."""
-    B, Tq, HQ, D = q.shape
-    Tk, HKV = k.shape[1], k.shape[2]
-    G, nb = HQ // HKV, cdiv(Tk, C)
-    chosen = torch.zeros(B, Tq, HKV, nb + 1, dtype=torch.bool, device=q.device)
-    chosen.scatter_(-1, torch.where(block_idx < 0, nb, block_idx).long(), True)
-    allowed = chosen[..., :nb].repeat_interleave(C, -1)[..., :Tk]
-    ar = torch.arange(Tk, device=q.device)
-    causal = ar <= (Tk - Tq + torch.arange(Tq, device=q.device))[:, None]
-    allowed = (allowed & causal[None, :, None]).repeat_interleave(G, 2).permute(0, 2, 1, 3)
-    s = scale * torch.einsum("bthd,bshd->bhts", q.float(), k.float().repeat_interleave(G, 2))
-    s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return torch.einsum("bhts,bshd->bthd", p, v.float().repeat_interleave(G, 2)), lse
+def fp32_reference(q, k, v, block_idx, C, scale):
+    """The torch backend on fp32 copies (tested against the fp64 oracle): o and lse."""
+    return sparse_attn(q.float(), k.float(), v.float(), block_idx, C, scale, "torch")
 
 
 def rel_err(x, ref):
@@ -99,7 +78,7 @@ def check_accuracy(args, rows_list):
     idx = random_selection(1, T, HKV, C, K, share=1)
     do = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
     ref_in = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    ro, rlse = dense_masked_reference(*ref_in, idx, C, D ** -0.5)
+    ro, rlse = fp32_reference(*ref_in, idx, C, D ** -0.5)
     rgrads = torch.autograd.grad(ro, ref_in, do.float())
     finite = torch.isfinite(rlse)
     out, worst, repeat = {}, 0.0, True
@@ -205,7 +184,7 @@ def main():
             print(f"T={T} dense cuDNN: {json.dumps(dense)}", flush=True)
         for share in (int(x) for x in args.share.split(",")):
             idx = random_selection(1, T, HKV, C, K, share, seed=T + share)
-            flops = 4 * D * G * keys_attended(idx, C, T)
+            flops = 4 * D * HQ * T * keys_attended(idx, T, C)
             for rows in rows_list:
                 cfg = make_config(args, rows)
                 fwd, fb = bench_sparse(q, k, v, idx, C, cfg, args.deterministic)

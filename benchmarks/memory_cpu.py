@@ -5,7 +5,8 @@ the inputs exist: ``select`` (pyramid selection) and ``fwdbwd`` (pisa_attn forwa
 Linear memory means the ratio between successive doublings stays near 2 (the outputs and gradients
 are themselves O(T)); a quadratic term would show as 4.
 
-    python benchmarks/memory_cpu.py --lengths 8192 16384 32768 --json benchmarks/results/memory_cpu.json
+    python benchmarks/memory_cpu.py --lengths 8192 16384 32768 65536 \
+        --json benchmarks/results/memory_cpu.json
 """
 from __future__ import annotations
 

@@ -20,18 +20,10 @@ from pathlib import Path
 import torch
 
 from pisa import pisa_attn, pisa_select
-from pisa.bench import dense_attention, meta, peak_gb, reset_peak, time_ms
+from pisa.bench import dense_attention, keys_attended, meta, peak_gb, reset_peak, time_ms
 from pisa.ops.attn import sparse_attn
 
 CONFIGS = {"A": (64, 4, 128), "B": (32, 8, 128)}
-
-
-def keys_attended(block_idx: torch.Tensor, T: int, C: int) -> float:
-    """Mean number of real causal keys per (token, KV head) in a selection."""
-    t = torch.arange(T, device=block_idx.device)[None, :, None, None]
-    start = block_idx.long() * C
-    n = (torch.minimum(start + C, t + 1) - start).clamp_min(0)
-    return float(torch.where(block_idx >= 0, n, 0).sum(-1).float().mean())
 
 
 def main() -> None:

@@ -195,33 +195,43 @@ def _bench_fwdbwd(cfg, q, k, v, knobs, T, row):
             peak_gb(cfg.device))
 
 
+# (header, (op, impl), field, format) of each column of the `pisa bench` table after T
+TABLE_COLUMNS = (
+    ("sel pyr ms", ("select", "pyramid"), "ms", ".2f"),
+    ("sel fmean ms", ("select", "flat_mean"), "ms", ".2f"),
+    ("sel flse ms", ("select", "flat_lse"), "ms", ".2f"),
+    ("pisa fwd ms", ("fwd", "pisa"), "ms", ".2f"),
+    ("dense fwd ms", ("fwd", "dense"), "ms", ".2f"),
+    ("pisa fb ms", ("fwdbwd", "pisa"), "ms", ".2f"),
+    ("dense fb ms", ("fwdbwd", "dense"), "ms", ".2f"),
+    ("rec pyr", ("select", "pyramid"), "recall", ".3f"),
+    ("rec fmean", ("select", "flat_mean"), "recall", ".3f"),
+    ("mass pyr", ("select", "pyramid"), "mass", ".3f"),
+    ("mass fmean", ("select", "flat_mean"), "mass", ".3f"),
+    ("mass flse", ("select", "flat_lse"), "mass", ".3f"),
+)
+
+
 def format_table(result: dict) -> str:
     """One line per length: selection ms, attention ms, recall@K and captured mass."""
     by_t: dict[int, dict] = {}
     for r in result["rows"]:
         by_t.setdefault(r["T"], {})[(r["op"], r["impl"])] = r
 
-    def cell(d, key, field_, fmt):
-        r = d.get(key)
+    def cell(r, field_, fmt):
         return "-" if r is None or r[field_] is None else format(r[field_], fmt)
-    head = ("T", "sel pyr ms", "sel fmean ms", "sel flse ms", "pisa fwd ms", "dense fwd ms",
-            "pisa fb ms", "dense fb ms", "rec pyr", "rec fmean", "mass pyr", "mass fmean",
-            "mass flse")
+    head = ["T"] + [c[0] for c in TABLE_COLUMNS]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for T, d in sorted(by_t.items()):
-        lines.append(" | ".join([
-            str(T),
-            cell(d, ("select", "pyramid"), "ms", ".2f"),
-            cell(d, ("select", "flat_mean"), "ms", ".2f"),
-            cell(d, ("select", "flat_lse"), "ms", ".2f"),
-            cell(d, ("fwd", "pisa"), "ms", ".2f"),
-            cell(d, ("fwd", "dense"), "ms", ".2f"),
-            cell(d, ("fwdbwd", "pisa"), "ms", ".2f"),
-            cell(d, ("fwdbwd", "dense"), "ms", ".2f"),
-            cell(d, ("select", "pyramid"), "recall", ".3f"),
-            cell(d, ("select", "flat_mean"), "recall", ".3f"),
-            cell(d, ("select", "pyramid"), "mass", ".3f"),
-            cell(d, ("select", "flat_mean"), "mass", ".3f"),
-            cell(d, ("select", "flat_lse"), "mass", ".3f"),
-        ]))
+        cells = [cell(d.get(key), field_, fmt) for _, key, field_, fmt in TABLE_COLUMNS]
+        lines.append(" | ".join([str(T)] + cells))
     return "\n".join("| " + ln + " |" for ln in lines)
+
+
+def keys_attended(block_idx: torch.Tensor, n_keys: int, block_size: int) -> float:
+    """Mean number of real causal keys per (token, KV head) of a selection ``[B, Tq, HKV, S]``."""
+    Tq = block_idx.shape[1]
+    t = torch.arange(n_keys - Tq, n_keys, device=block_idx.device)[None, :, None, None]
+    start = block_idx.long() * block_size
+    n = (torch.minimum(start + block_size, t + 1) - start).clamp_min(0)
+    return float(torch.where(block_idx >= 0, n, 0).sum(-1).float().mean())

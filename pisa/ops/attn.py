@@ -67,7 +67,7 @@ def _chunk(block_idx, s, e, Tq, Tk, n_blocks, block_size) -> _Chunk:
 def _rows(x: torch.Tensor, ch: _Chunk, s: int, e: int, fill: float = 0.0) -> torch.Tensor:
     """Per-slot copy of ``x [B, Tq, H*G, ...]`` rows of the chunk: ``[n_groups, size, G, ...]``,
     reading ``fill`` in empty slots."""
-    B, H = x.shape[0], ch.n_rows // (x.shape[0] * (e - s))
+    H = ch.n_rows // (x.shape[0] * (e - s))
     xr = x[:, s:e].reshape(ch.n_rows, x.shape[2] // H, *x.shape[3:])
     xr = torch.cat([xr, xr.new_full((1, *xr.shape[1:]), fill)])
     return xr[ch.row].view(ch.pg.n_groups, PAIRS_PER_GROUP, *xr.shape[1:])
@@ -119,7 +119,7 @@ def _fwd_torch(q, k, v, block_idx, block_size, scale):
 
 def _bwd_torch(do, q, k, v, o, lse, block_idx, block_size, scale):
     B, Tq, HQ, D = q.shape
-    Tk, H = k.shape[1], k.shape[2]
+    Tk = k.shape[1]
     N = -(-Tk // block_size)
     ct = _compute_dtype(q)
     kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)

@@ -10,7 +10,7 @@ Conventions shared with every backend
 - Node ``i`` at level ``l`` (leaves are level 1) covers leaves ``[i * g**(l-1), (i+1) * g**(l-1))``.
 - Scores of a node from its children ``r`` (leaf: from its keys, each of weight 1), per query head,
   with ``z_r = scale * q . mean_r`` and ``n_r`` the token count under ``r``:
-    ``lse``     log sum_r n_r exp(z_r)   (unnormalised log-sum: ragged children weigh what they hold)
+    ``lse``     log sum_r n_r exp(z_r)   (unnormalised: ragged children weigh what they hold)
     ``mean``    sum_r n_r z_r / sum_r n_r           (= the logit of the node's own mean key)
     ``meanvar`` mean + 1/2 * count-weighted variance of z_r
   The GQA group's score is the sum of its heads' scores.
