@@ -623,8 +623,11 @@ def _launch_select_pyramid(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx,
     if num_warps is None:  # H200, default config: 4 warps 1.5x faster at BT = 1, 8 at BT = 8
         num_warps = 4 if BT * GP <= 64 else 8
     if num_stages is None:
-        # Pipelined [NX, D] fp32 child tiles must fit shared memory (H100/H200: 227 KB a block).
-        num_stages = 3 if 2 * GBP * WP * D <= 8192 else 2 if 2 * GBP * WP * D <= 16384 else 1
+        # Pipelined copies of the [NX, D] fp32 child tile and the [g * C, D] leaf-key tile must fit
+        # shared memory (H100/H200: 227 KB a block). Counting only the child tile asked for 270 KB
+        # at g=3 with fp32 keys on the H200.
+        stage_bytes = 2 * GBP * WP * D * 4 + GBP * C * D * k.element_size()
+        num_stages = max(1, min(3, 200_000 // stage_bytes))
     grid = (cdiv(Tq, BT), HKV, B)
     _pyramid_select_kernel[grid](
         q, k, pyramid.means, pyramid.counts, off, sub, sub_counts, block_idx, counts,
