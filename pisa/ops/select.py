@@ -97,7 +97,7 @@ def _exact_leaf_scores(qs, k_blocks, cand, scorer):
     return out
 
 
-def _finish(cand, score, forced, t_abs, cfg: SelectConfig):
+def _finish(cand, score, forced, cfg: SelectConfig):
     """Merge forced leaves with the best free candidates; sort ascending; pad with -1.
 
     ``cand [B, Tc, H, M]`` (-1 = none), ``score`` the same shape (-inf = not rankable).
@@ -216,7 +216,7 @@ def _select(q, k, cfg, pyramid):
                 score = torch.einsum("bthd,bnhd->bthn", qs.sum(3), leaf_means[:, :n_end])
             score = torch.where(free, score, -math.inf)
             cand = torch.where(free, cand, -1)
-        idx_out[:, s:e], cnt_out[:, s:e] = _finish(cand, score, forced, t_abs, cfg)
+        idx_out[:, s:e], cnt_out[:, s:e] = _finish(cand, score, forced, cfg)
     return idx_out, cnt_out
 
 

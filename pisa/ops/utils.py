@@ -6,7 +6,6 @@ forced blocks and the selection budget.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -139,11 +138,6 @@ def check_block_idx(block_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -
                          f"{want[2]}, S], got {tuple(block_idx.shape)}")
     if block_idx.device != q.device:
         raise ValueError(f"block_idx is on {block_idx.device} but q is on {q.device}")
-
-
-def log_count(n: torch.Tensor) -> torch.Tensor:
-    """log of token counts, with empty (padding) nodes at -inf so they never score."""
-    return torch.where(n > 0, n.double().log(), torch.full_like(n, -math.inf, dtype=torch.float64))
 
 
 @dataclass(frozen=True)
