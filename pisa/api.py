@@ -6,8 +6,7 @@ import importlib.util
 import torch
 
 from .ops.attn import sparse_attn
-from .ops.naive import naive_select
-from .ops.select import select_torch
+from .ops.select import select
 from .ops.utils import BACKENDS, check_block_idx, check_qk, resolve_config
 
 _SELECT_DOC = """
@@ -63,14 +62,7 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 64, topk:
     cfg = resolve_config(q, k, block_size=block_size, topk=topk, branching=branching, beam=beam,
                          scorer=scorer, selector=selector, forced_in_budget=forced_in_budget,
                          scale=scale)
-    backend = _resolve_backend(backend, q)
-    if backend == "triton":
-        from .ops.select_triton import select_triton
-        return select_triton(q, k, cfg)
-    if backend == "naive":
-        idx, counts = naive_select(q.cpu(), k.cpu(), cfg)
-        return idx.to(q.device), counts.to(q.device)
-    return select_torch(q, k, cfg)
+    return select(q, k, cfg, _resolve_backend(backend, q))
 
 
 def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = 64,

@@ -92,3 +92,29 @@ def test_device_mismatch_is_reported():
     k = torch.randn(1, 16, 2, 16, device="meta")
     with pytest.raises(ValueError, match="is on meta"):
         pisa_select(q, k)
+
+
+def test_lse_gradient_matches_oracle(rng):
+    """Gradients flow through the returned lse too (for users merging partial results)."""
+    q, k, v = _qkv(Tq=70, Tk=70, dtype=torch.float64, grad=True)
+    idx, _ = pisa_select(q.detach(), k.detach(), block_size=8, topk=5, backend="torch")
+    o, lse = pisa_attn(q, k, v, block_size=8, block_idx=idx, return_lse=True, backend="torch")
+    o2, lse2 = pisa_attn(q, k, v, block_size=8, block_idx=idx, return_lse=True, backend="naive")
+    w = torch.randn_like(lse2)
+    g1 = torch.autograd.grad((lse.double() * w).sum() + o.sum(), (q, k, v))
+    g2 = torch.autograd.grad((lse2.double() * w).sum() + o2.sum(), (q, k, v))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_model_compiles_with_fullgraph(rng):
+    """Selection and attention are custom ops, so torch.compile traces through pisa_attn."""
+    from pisa import PisaAttention
+    torch._dynamo.reset()
+    layer = PisaAttention(32, 4, 2, block_size=8, topk=4)
+    x = torch.randn(1, 64, 32, requires_grad=True)
+    eager = layer(x)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(compiled, eager)
+    compiled.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from .select import CHUNK_ELEMS
-from .utils import BACKENDS, PairGroups, group_pairs
+from .utils import BACKENDS, PairGroups, compute_dtype, group_pairs
 
 PAIRS_PER_GROUP = 32
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _blocked(x: torch.Tensor, block_size: int, dtype) -> torch.Tensor:
@@ -92,7 +90,7 @@ def _fwd_torch(q, k, v, block_idx, block_size, scale):
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
     G, N = HQ // H, -(-Tk // block_size)
-    ct = _compute_dtype(q)
+    ct = compute_dtype(q)
     kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)
     o = torch.full_like(q, math.nan)
     lse = torch.full((B, Tq, HQ), math.nan, dtype=ct, device=q.device)
@@ -117,16 +115,18 @@ def _fwd_torch(q, k, v, block_idx, block_size, scale):
     return o, lse.transpose(1, 2).contiguous()
 
 
-def _bwd_torch(do, q, k, v, o, lse, block_idx, block_size, scale):
+def _bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale):
     B, Tq, HQ, D = q.shape
     Tk = k.shape[1]
     N = -(-Tk // block_size)
-    ct = _compute_dtype(q)
+    ct = compute_dtype(q)
     kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)
     dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
     dq = torch.zeros(B, Tq, HQ, D, dtype=ct, device=q.device)
     lse = lse.transpose(1, 2)[..., None].to(ct)  # [B, Tq, HQ, 1]
     delta = (do.to(ct) * o.to(ct)).sum(-1, keepdim=True)  # [B, Tq, HQ, 1]
+    if dlse is not None:  # d lse / d logits = p: folds into the softmax-backward shift
+        delta = delta - dlse.transpose(1, 2)[..., None].to(ct)
     for s, e in _chunks(q, k, block_idx):
         ch = _chunk(block_idx, s, e, Tq, Tk, N, block_size)
         ng, P = ch.pg.n_groups, PAIRS_PER_GROUP
@@ -147,21 +147,56 @@ def _bwd_torch(do, q, k, v, o, lse, block_idx, block_size, scale):
             _unblocked(dvb, v.shape).to(v.dtype).contiguous())
 
 
-class SparseAttnTorch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale):
-        o, lse = _fwd_torch(q, k, v, block_idx, block_size, scale)
-        ctx.save_for_backward(q, k, v, o, lse, block_idx)  # lse at compute precision
-        ctx.block_size, ctx.scale = block_size, scale
-        lse = lse.float()
-        ctx.mark_non_differentiable(lse)
-        return o, lse
+# --- custom ops: opaque to torch.compile (data-dependent indexing, host syncs inside) ----------
+@torch.library.custom_op("pisa::sparse_attn", mutates_args=())
+def _attn_op(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: int, scale: float,
+             backend: str) -> tuple[Tensor, Tensor]:
+    """``o`` (q's dtype) and ``lse [B, HQ, Tq]`` (fp64 for fp64 inputs, else fp32)."""
+    if backend == "triton":
+        from .attn_triton import KernelConfig, prepare, triton_attn_fwd
+        idx, bs, scale = prepare(q, k, block_idx, block_size, scale)
+        return triton_attn_fwd(q, k, v, idx, bs, scale, KernelConfig())
+    return _fwd_torch(q, k, v, block_idx, block_size, scale)
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse, block_idx = ctx.saved_tensors
-        dq, dk, dv = _bwd_torch(do, q, k, v, o, lse, block_idx, ctx.block_size, ctx.scale)
-        return dq, dk, dv, None, None, None
+
+@_attn_op.register_fake
+def _(q, k, v, block_idx, block_size, scale, backend):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 and backend == "torch" \
+        else torch.float32
+    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
+                                            dtype=lse_dtype)
+
+
+@torch.library.custom_op("pisa::sparse_attn_bwd", mutates_args=())
+def _attn_bwd_op(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
+                 lse: Tensor, block_idx: Tensor, block_size: int, scale: float,
+                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    if backend == "triton":
+        from .attn_triton import KernelConfig, prepare, triton_attn_bwd
+        idx, bs, scale = prepare(q, k, block_idx, block_size, scale)
+        return triton_attn_bwd(do, dlse, q, k, v, o, lse, idx, bs, scale, False,
+                               KernelConfig())
+    return _bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale)
+
+
+@_attn_bwd_op.register_fake
+def _(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, block_idx, block_size, scale, backend = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], block_idx)
+    ctx.args = (block_size, scale, backend)
+
+
+def _attn_backward(ctx, do, dlse):
+    q, k, v, o, lse, block_idx = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd_op(do.contiguous(), dlse, q, k, v, o, lse, block_idx, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_attn_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
 def sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor,
@@ -169,14 +204,13 @@ def sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: to
     """Exact attention of each query over the keys of its selected blocks (causal).
 
     ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, HKV, D]``, ``block_idx [B, Tq, HKV, S]`` int32 (ascending,
-    -1 padded). Returns ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32.
-    ``backend`` is one of ``"torch"``, ``"triton"``, ``"naive"`` (already resolved from "auto").
+    -1 padded). Returns ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32; both are
+    differentiable in q, k, v. ``backend`` is ``"torch"``, ``"triton"`` or ``"naive"`` (already
+    resolved from "auto"); the first two run as the custom op ``torch.ops.pisa.sparse_attn``.
     """
-    if backend == "torch":
-        return SparseAttnTorch.apply(q, k, v, block_idx, block_size, scale)
-    if backend == "triton":
-        from .attn_triton import sparse_attn_triton
-        return sparse_attn_triton(q, k, v, block_idx, block_size, scale)
+    if backend in ("torch", "triton"):
+        o, lse = _attn_op(q, k, v, block_idx, block_size, scale, backend)
+        return o, lse.float()
     if backend == "naive":
         from .naive import naive_attn
         o, lse = naive_attn(q, k, v, block_idx.cpu(), block_size, scale)

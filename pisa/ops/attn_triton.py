@@ -469,10 +469,41 @@ def _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, determinist
 # ----------------------------------------------------------------------------------------------
 # autograd
 # ----------------------------------------------------------------------------------------------
+def triton_attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
+    """Forward on prepared inputs (``prepare`` below): ``o``, ``lse``."""
+    return _attn_fwd(q, k, v, block_idx, block_size, scale, cfg)
+
+
+def triton_attn_bwd(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, deterministic,
+                    cfg: KernelConfig, need_dq: bool = True, need_dkv: bool = True):
+    """Backward on prepared inputs: ``dq, dk, dv`` (``None`` where not needed)."""
+    do = torch.zeros_like(o) if do is None else do
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    delta = _delta(o, do, dlse)
+    dq = dk = dv = None
+    if need_dq:
+        dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg)
+    if need_dkv:
+        dk, dv = _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale,
+                           deterministic, cfg)
+    return dq, dk, dv
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, block_idx: torch.Tensor, block_size: int,
+            scale: float | None):
+    """Check support and re-express the selection in kernel-sized blocks:
+    ``(block_idx, block_size, scale)`` for ``triton_attn_fwd`` / ``triton_attn_bwd``."""
+    D, G = q.shape[-1], q.shape[2] // k.shape[2]
+    _check_supported(D, block_size, G)
+    scale = D ** -0.5 if scale is None else float(scale)
+    block_idx, block_size = _split_blocks(block_idx, block_size)
+    return block_idx, block_size, scale
+
+
 class SparseAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_idx, block_size, scale, deterministic, cfg):
-        o, lse = _attn_fwd(q, k, v, block_idx, block_size, scale, cfg)
+        o, lse = triton_attn_fwd(q, k, v, block_idx, block_size, scale, cfg)
         ctx.save_for_backward(q, k, v, o, lse, block_idx)
         ctx.meta = (block_size, scale, deterministic, cfg)
         ctx.set_materialize_grads(False)
@@ -483,15 +514,9 @@ class SparseAttnFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         block_size, scale, deterministic, cfg = ctx.meta
-        do = torch.zeros_like(o) if do is None else do
-        do = do if do.stride(-1) == 1 else do.contiguous()
-        delta = _delta(o, do, dlse)
-        dq = dk = dv = None
-        if ctx.needs_input_grad[0]:
-            dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dk, dv = _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale,
-                               deterministic, cfg)
+        dq, dk, dv = triton_attn_bwd(do, dlse, q, k, v, o, lse, block_idx, block_size, scale,
+                                     deterministic, cfg, ctx.needs_input_grad[0],
+                                     ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -507,9 +532,6 @@ def sparse_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     both differentiable with respect to q, k, v. ``deterministic=True`` makes the backward bitwise
     reproducible (no atomics); ``config`` holds the tile sizes and launch knobs.
     """
-    D, G = q.shape[-1], q.shape[2] // k.shape[2]
-    _check_supported(D, block_size, G)
-    scale = D ** -0.5 if scale is None else float(scale)
-    block_idx, block_size = _split_blocks(block_idx, block_size)
+    block_idx, block_size, scale = prepare(q, k, block_idx, block_size, scale)
     return SparseAttnFunction.apply(q, k, v, block_idx, block_size, scale, bool(deterministic),
                                     config or KernelConfig())

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .utils import cdiv, level_sizes
+from .utils import cdiv, compute_dtype, level_sizes
 
 
 @dataclass(frozen=True)
 class Pyramid:
-    means: torch.Tensor   # [B, N_total, HKV, D] fp32
+    means: torch.Tensor   # [B, N_total, HKV, D] fp32 (fp64 from fp64 keys in the torch build)
     counts: torch.Tensor  # [N_total] int32
     offsets: tuple[int, ...]  # len = n_levels + 1; level l (1-based) is [offsets[l-1], offsets[l])
 
@@ -48,11 +48,13 @@ def _pool(x: torch.Tensor, n_in: int, group: int) -> torch.Tensor:
 
 
 def build_pyramid_torch(k: torch.Tensor, block_size: int, branching: int) -> Pyramid:
-    """Vectorised PyTorch pyramid build: one reshape-and-sum per level (fp32 accumulation)."""
+    """Vectorised PyTorch pyramid build: one reshape-and-sum per level (fp32 accumulation, fp64
+    for fp64 keys)."""
     B, T, H, D = k.shape
     offsets = level_offsets(T, block_size, branching)
-    sums = [_pool(k.float(), T, block_size)]
-    counts = [_pool(torch.ones(1, T, device=k.device), T, block_size)[0]]
+    dt = compute_dtype(k)
+    sums = [_pool(k.to(dt), T, block_size)]
+    counts = [_pool(torch.ones(1, T, dtype=dt, device=k.device), T, block_size)[0]]
     for _ in range(len(offsets) - 2):
         sums.append(_pool(sums[-1], sums[-1].shape[1], branching))
         counts.append(_pool(counts[-1][None], counts[-1].shape[0], branching)[0])

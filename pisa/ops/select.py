@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from .pyramid import Pyramid, build_pyramid_torch
-from .utils import MAX_FORCED, SelectConfig, cdiv, group_pairs
+from .utils import MAX_FORCED, SelectConfig, cdiv, compute_dtype, group_pairs
 
 # Elements (fp32) one query chunk may hold in its largest temporary.
 CHUNK_ELEMS = 1 << 24
@@ -81,7 +82,7 @@ def _exact_leaf_scores(qs, k_blocks, cand, scorer):
     """
     B, Tc, H, G, D = qs.shape
     N = k_blocks.shape[0] // (B * H)
-    out = torch.full(cand.shape, -math.inf, device=qs.device)
+    out = torch.full(cand.shape, -math.inf, dtype=qs.dtype, device=qs.device)
     b, t, h, m = torch.nonzero(cand >= 0, as_tuple=True)
     if b.numel() == 0:
         return out
@@ -143,7 +144,7 @@ def _walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
             child_ok = rest[..., None] & (child < n_child)
             cm = _gather_rows(child_means, child.flatten(-2)).view(*child.shape, D)
             z = torch.einsum("bthgd,bthard->bthagr", qs, cm)
-            w = torch.where(child_ok, child_counts[child.clamp(0, n_child - 1)].float(), 0.0)
+            w = torch.where(child_ok, child_counts[child.clamp(0, n_child - 1)].to(qs.dtype), 0.0)
             score = _group_score(z, w[..., None, :], cfg.scorer)
             score = torch.where(rest, score, -math.inf)
             width = min(cfg.beam, score.shape[-1])
@@ -176,12 +177,13 @@ def _select(q, k, cfg, pyramid):
     G, C = HQ // H, cfg.block_size
     N = cdiv(Tk, C)
     dev = q.device
+    ct = compute_dtype(q)
     if pyramid is None:
         pyramid = build_pyramid_torch(k, C, cfg.branching)
     leaf_means = pyramid.level(1)[0]
     k_blocks = None
     if cfg.selector == "pyramid" and cfg.scorer != "mean":
-        kp = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, N * C - Tk))
+        kp = torch.nn.functional.pad(k.to(ct), (0, 0, 0, 0, 0, N * C - Tk))
         k_blocks = kp.view(B, N, C, H, D).permute(0, 3, 1, 2, 4).reshape(B * H * N, C, D)
     if cfg.selector == "pyramid":
         width = cfg.branching * (cfg.beam + MAX_FORCED)
@@ -197,7 +199,7 @@ def _select(q, k, cfg, pyramid):
         e = min(Tq, s + chunk)
         t_abs = torch.arange(Tk - Tq + s, Tk - Tq + e, device=dev)
         forced = _forced(t_abs, C)
-        qs = q[:, s:e].float().view(B, e - s, H, G, D) * cfg.scale
+        qs = q[:, s:e].to(ct).view(B, e - s, H, G, D) * cfg.scale
         if cfg.selector == "pyramid":
             cand = _walk(qs, pyramid, t_abs, forced, cfg)
             free = (cand >= 0) & (cand * C <= t_abs[None, :, None, None]) & ~_is_in(cand, forced)
@@ -231,9 +233,41 @@ def _flat_lse_scores(qs, k, n_keys, block_size):
     """Exact block LSE of every block in ``[0, n_keys)``, summed over the group's heads."""
     B, Tc, H, G, D = qs.shape
     Tk = k.shape[1]
-    kk = k[:, :min(n_keys, Tk)].float()
+    kk = k[:, :min(n_keys, Tk)].to(qs.dtype)
     z = torch.einsum("bthgd,bshd->bthgs", qs, kk)
     if z.shape[-1] < n_keys:
         z = torch.nn.functional.pad(z, (0, n_keys - z.shape[-1]), value=-math.inf)
     z = z.view(B, Tc, H, G, n_keys // block_size, block_size)
     return _logsumexp(z).sum(3)
+
+
+@torch.library.custom_op("pisa::select", mutates_args=())
+def _select_op(q: Tensor, k: Tensor, block_size: int, topk: int, branching: int, beam: int,
+               scorer: str, selector: str, forced_in_budget: bool, scale: float,
+               backend: str) -> tuple[Tensor, Tensor]:
+    cfg = SelectConfig(block_size, topk, branching, beam, scorer, selector, forced_in_budget,
+                       scale)
+    if backend == "triton":
+        from .select_triton import select_triton
+        return select_triton(q, k, cfg)
+    if backend == "naive":
+        from .naive import naive_select
+        idx, counts = naive_select(q.cpu(), k.cpu(), cfg)
+        return idx.to(q.device), counts.to(q.device)
+    return select_torch(q, k, cfg)
+
+
+@_select_op.register_fake
+def _(q, k, block_size, topk, branching, beam, scorer, selector, forced_in_budget, scale,
+      backend):
+    B, Tq, HKV = q.shape[0], q.shape[1], k.shape[2]
+    slots = topk if forced_in_budget else topk + MAX_FORCED
+    return (q.new_empty((B, Tq, HKV, slots), dtype=torch.int32),
+            q.new_empty((B, Tq, HKV), dtype=torch.int32))
+
+
+def select(q: Tensor, k: Tensor, cfg: SelectConfig, backend: str):
+    """Selection through the custom op ``torch.ops.pisa.select`` (opaque to torch.compile):
+    ``(block_idx, counts)``. ``backend`` is ``"torch"``, ``"triton"`` or ``"naive"``."""
+    return _select_op(q, k, cfg.block_size, cfg.topk, cfg.branching, cfg.beam, cfg.scorer,
+                      cfg.selector, cfg.forced_in_budget, cfg.scale, backend)

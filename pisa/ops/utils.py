@@ -44,6 +44,12 @@ class SelectConfig:
         return self.topk - n_forced if self.forced_in_budget else self.topk
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype of the torch backends: fp64 for fp64 inputs (the oracle tests), else
+    fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
