@@ -88,23 +88,30 @@ def _union_block(p_union, p_bits, o_bit, t_abs, p_k, p_v, s_kt, s_vt, T_K,
 
 
 @triton.jit
-def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
-                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
-                T_Q, T_K, HKV, N_TILES, U, scale_log2,
-                G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
-                C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
+def _tile_setup(q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U,
+                G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
+    """What the forward and dQ programs of one (token tile, batch x KV head) share: the tile's
+    rows, its queries ``[BT * GP, D]``, the K/V base pointers and its union-list pointers."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
     o_tok, o_hh, m_row = _group_rows(i_t, T_Q, BT, G, GP)
     o_head = i_h * G + o_hh
     b_q = _load_rows(q + i_b * s_qb, o_tok.to(tl.int64) * s_qt + o_head * s_qh, m_row, D)
-    p_k = k + i_b * s_kb + i_h * s_kh
-    p_v = v + i_b * s_vb + i_h * s_vh
-    t_abs = T_K - T_Q + o_tok
-    o_bit = tl.arange(0, BT * GP) // GP
     i_list = i_bh * N_TILES + i_t
-    p_union = union + i_list.to(tl.int64) * U
-    p_bits = bits + i_list.to(tl.int64) * U
+    return (i_b, o_tok, o_head, m_row, b_q, k + i_b * s_kb + i_h * s_kh, v + i_b * s_vb + i_h * s_vh,
+            T_K - T_Q + o_tok, i_list, i_list.to(tl.int64) * U)
+
+
+@triton.jit
+def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
+                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
+                T_Q, T_K, HKV, N_TILES, U, scale_log2,
+                G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
+                C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
+    i_b, o_tok, o_head, m_row, b_q, p_k, p_v, t_abs, i_list, o_list = _tile_setup(
+        q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U, G, GP, BT, D)
+    o_bit = tl.arange(0, BT * GP) // GP
+    p_union, p_bits = union + o_list, bits + o_list
 
     b_m = tl.full([BT * GP], float("-inf"), tl.float32)  # running max, log2 domain
     b_l = tl.zeros([BT * GP], tl.float32)
@@ -149,22 +156,14 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
                T_Q, T_K, HKV, N_TILES, U, scale_log2, scale,
                G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
                C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
-    o_tok, o_hh, m_row = _group_rows(i_t, T_Q, BT, G, GP)
-    o_head = i_h * G + o_hh
-    b_q = _load_rows(q + i_b * s_qb, o_tok.to(tl.int64) * s_qt + o_head * s_qh, m_row, D)
+    i_b, o_tok, o_head, m_row, b_q, p_k, p_v, t_abs, i_list, o_list = _tile_setup(
+        q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U, G, GP, BT, D)
     b_do = _load_rows(do + i_b * s_gb, o_tok.to(tl.int64) * s_gt + o_head * s_gh, m_row, D)
     o_stat = (i_b * HKV * G + o_head) * T_Q + o_tok
     b_lse2 = tl.load(lse + o_stat, mask=m_row, other=0.0) * _LOG2E_K
     b_delta = tl.load(delta + o_stat, mask=m_row, other=0.0)
-    p_k = k + i_b * s_kb + i_h * s_kh
-    p_v = v + i_b * s_vb + i_h * s_vh
-    t_abs = T_K - T_Q + o_tok
     o_bit = tl.arange(0, BT * GP) // GP
-    i_list = i_bh * N_TILES + i_t
-    p_union = union + i_list.to(tl.int64) * U
-    p_bits = bits + i_list.to(tl.int64) * U
+    p_union, p_bits = union + o_list, bits + o_list
 
     b_dq = tl.zeros([BT * GP, D], tl.float32)
     for i in tl.range(tl.load(n_union + i_list)):
