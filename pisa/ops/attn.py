@@ -9,8 +9,9 @@ dK/dV accumulate per block. Memory is O(chunk · S · G · (C + D)); no ``[T, T]
 """
 from __future__ import annotations
 
+
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Optional
 
 import torch
@@ -150,17 +151,18 @@ def _bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale):
 # --- custom ops: opaque to torch.compile (data-dependent indexing, host syncs inside) ----------
 @torch.library.custom_op("pisa::sparse_attn", mutates_args=())
 def _attn_op(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: int, scale: float,
-             backend: str) -> tuple[Tensor, Tensor]:
-    """``o`` (q's dtype) and ``lse [B, HQ, Tq]`` (fp64 for fp64 inputs, else fp32)."""
+             backend: str, deterministic: bool, config: list[int]) -> tuple[Tensor, Tensor]:
+    """``o`` (q's dtype) and ``lse [B, HQ, Tq]`` (fp64 for fp64 inputs, else fp32). ``config`` is
+    the Triton ``KernelConfig`` as a list of ints (empty: defaults)."""
     if backend == "triton":
         from .attn_triton import KernelConfig, prepare, triton_attn_fwd
         idx, bs, scale = prepare(q, k, block_idx, block_size, scale)
-        return triton_attn_fwd(q, k, v, idx, bs, scale, KernelConfig())
+        return triton_attn_fwd(q, k, v, idx, bs, scale, KernelConfig(*config))
     return _fwd_torch(q, k, v, block_idx, block_size, scale)
 
 
 @_attn_op.register_fake
-def _(q, k, v, block_idx, block_size, scale, backend):
+def _(q, k, v, block_idx, block_size, scale, backend, deterministic, config):
     lse_dtype = torch.float64 if q.dtype == torch.float64 and backend == "torch" \
         else torch.float32
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
@@ -170,46 +172,52 @@ def _(q, k, v, block_idx, block_size, scale, backend):
 @torch.library.custom_op("pisa::sparse_attn_bwd", mutates_args=())
 def _attn_bwd_op(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
                  lse: Tensor, block_idx: Tensor, block_size: int, scale: float,
-                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                 backend: str, deterministic: bool,
+                 config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "triton":
         from .attn_triton import KernelConfig, prepare, triton_attn_bwd
         idx, bs, scale = prepare(q, k, block_idx, block_size, scale)
-        return triton_attn_bwd(do, dlse, q, k, v, o, lse, idx, bs, scale, False,
-                               KernelConfig())
+        return triton_attn_bwd(do, dlse, q, k, v, o, lse, idx, bs, scale, deterministic,
+                               KernelConfig(*config))
     return _bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale)
 
 
 @_attn_bwd_op.register_fake
-def _(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, backend):
+def _(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, backend, deterministic, config):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _attn_setup(ctx, inputs, output):
-    q, k, v, block_idx, block_size, scale, backend = inputs
+    q, k, v, block_idx = inputs[:4]
     ctx.save_for_backward(q, k, v, output[0], output[1], block_idx)
-    ctx.args = (block_size, scale, backend)
+    ctx.args = inputs[4:]
 
 
 def _attn_backward(ctx, do, dlse):
     q, k, v, o, lse, block_idx = ctx.saved_tensors
     dq, dk, dv = _attn_bwd_op(do.contiguous(), dlse, q, k, v, o, lse, block_idx, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _attn_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
 def sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor,
-                block_size: int, scale: float, backend: str = "torch"):
+                block_size: int, scale: float, backend: str = "torch",
+                deterministic: bool = False, config=None):
     """Exact attention of each query over the keys of its selected blocks (causal).
 
     ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, HKV, D]``, ``block_idx [B, Tq, HKV, S]`` int32 (ascending,
     -1 padded). Returns ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32; both are
     differentiable in q, k, v. ``backend`` is ``"torch"``, ``"triton"`` or ``"naive"`` (already
     resolved from "auto"); the first two run as the custom op ``torch.ops.pisa.sparse_attn``.
+    Triton only: ``deterministic=True`` makes the backward bitwise reproducible (no atomics);
+    ``config`` (``pisa.ops.attn_triton.KernelConfig``) sets tile sizes and launch knobs.
     """
     if backend in ("torch", "triton"):
-        o, lse = _attn_op(q, k, v, block_idx, block_size, scale, backend)
+        knobs = list(astuple(config)) if config is not None else []
+        o, lse = _attn_op(q, k, v, block_idx, block_size, scale, backend, bool(deterministic),
+                          knobs)
         return o, lse.float()
     if backend == "naive":
         from .naive import naive_attn

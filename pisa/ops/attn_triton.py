@@ -466,7 +466,7 @@ def _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, determinist
 
 
 # ----------------------------------------------------------------------------------------------
-# autograd
+# entry points (autograd: the ``pisa::sparse_attn`` custom op in ``attn.py``)
 # ----------------------------------------------------------------------------------------------
 def triton_attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
     """Forward on prepared inputs (``prepare`` below): ``o``, ``lse``."""
@@ -474,17 +474,13 @@ def triton_attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
 
 
 def triton_attn_bwd(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, deterministic,
-                    cfg: KernelConfig, need_dq: bool = True, need_dkv: bool = True):
-    """Backward on prepared inputs: ``dq, dk, dv`` (``None`` where not needed)."""
+                    cfg: KernelConfig):
+    """Backward on prepared inputs: ``dq, dk, dv``."""
     do = torch.zeros_like(o) if do is None else do
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = _delta(o, do, dlse)
-    dq = dk = dv = None
-    if need_dq:
-        dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg)
-    if need_dkv:
-        dk, dv = _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale,
-                           deterministic, cfg)
+    dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg)
+    dk, dv = _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, deterministic, cfg)
     return dq, dk, dv
 
 
@@ -499,26 +495,6 @@ def prepare(q: torch.Tensor, k: torch.Tensor, block_idx: torch.Tensor, block_siz
     return block_idx, block_size, scale
 
 
-class SparseAttnFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale, deterministic, cfg):
-        o, lse = triton_attn_fwd(q, k, v, block_idx, block_size, scale, cfg)
-        ctx.save_for_backward(q, k, v, o, lse, block_idx)
-        ctx.meta = (block_size, scale, deterministic, cfg)
-        ctx.set_materialize_grads(False)
-        return o, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse, block_idx = ctx.saved_tensors
-        block_size, scale, deterministic, cfg = ctx.meta
-        dq, dk, dv = triton_attn_bwd(do, dlse, q, k, v, o, lse, block_idx, block_size, scale,
-                                     deterministic, cfg, ctx.needs_input_grad[0],
-                                     ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        return dq, dk, dv, None, None, None, None, None
-
-
 def sparse_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        block_idx: torch.Tensor, block_size: int, scale: float | None = None,
                        deterministic: bool = False, config: KernelConfig | None = None):
@@ -531,6 +507,6 @@ def sparse_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     both differentiable with respect to q, k, v. ``deterministic=True`` makes the backward bitwise
     reproducible (no atomics); ``config`` holds the tile sizes and launch knobs.
     """
-    block_idx, block_size, scale = prepare(q, k, block_idx, block_size, scale)
-    return SparseAttnFunction.apply(q, k, v, block_idx, block_size, scale, bool(deterministic),
-                                    config or KernelConfig())
+    from .attn import sparse_attn  # the custom op (and its autograd) lives with the dispatch
+    return sparse_attn(q, k, v, block_idx, block_size, q.shape[-1] ** -0.5 if scale is None else scale,
+                       "triton", deterministic, config)
