@@ -1,11 +1,15 @@
-"""Public functions: ``pisa_select`` (block selection) and ``pisa_attn`` (selection + attention)."""
+"""Public functions: ``pisa_select`` (block selection), ``pisa_attn`` (selection + attention) and
+``pisa_attn_with_kvcache`` (decode and chunked prefill against a ``PisaCache``)."""
 from __future__ import annotations
 
 import importlib.util
 
 import torch
 
+from .cache import PisaCache
 from .ops.attn import sparse_attn
+from .ops.decode import decode_torch, prefill_with_cache
+from .ops.kvcache import append_kv, check_cache
 from .ops.select import select
 from .ops.utils import BACKENDS, check_block_idx, check_qk, resolve_config
 
@@ -100,4 +104,88 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     else:
         check_block_idx(block_idx, q, k)
     o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend)
+    return (o, lse) if return_lse else o
+
+
+def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tensor | None = None,
+                           v_new: torch.Tensor | None = None, *,
+                           cache_seqlens: torch.Tensor | int | None = None, topk: int = 16,
+                           beam: int | None = None, scorer: str = "lse",
+                           selector: str = "pyramid", forced_in_budget: bool = True,
+                           scale: float | None = None, return_lse: bool = False,
+                           backend: str = "auto"):
+    """PISA attention of new queries against a ``PisaCache`` (decode and chunked prefill), modeled
+    on ``flash_attn_with_kvcache``: appends ``k_new, v_new`` (keys and pyramid), then attends.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim), the cache's dtype and device. The queries are the
+            last ``seqlen_q`` positions of each sequence after the append (bottom-right causal).
+            ``seqlen_q == 1`` is a decode step: ``decode_triton`` (one fused kernel, no host sync,
+            CUDA-graph capturable) or ``decode_torch``. ``seqlen_q > 1`` is chunked prefill
+            through the training selection (on the cache's pyramid) and attention kernels; it
+            syncs with the host and runs sequences of different lengths one at a time.
+        cache: PisaCache. Its ``block_size`` and ``branching`` are the selection's ``C`` and ``g``.
+        k_new, v_new: optional (batch, seqlen_new, nheads_k, headdim), appended at the end of
+            every sequence before attending.
+        cache_seqlens: None (default) or an int or (batch,) int32 tensor. None: the lengths are
+            ``cache.cache_seqlens``, and appending advances them by ``seqlen_new`` in place (the
+            cache owns its lengths, and its pyramid sums already include the new keys, so leaving
+            the lengths behind would count those keys twice at the next append). Given: the
+            lengths before the append, owned by the caller as in ``flash_attn_with_kvcache`` —
+            this call then neither reads nor advances ``cache.cache_seqlens``, and the caller
+            advances its own lengths by ``seqlen_new``. Either way the cache's sums must hold
+            exactly the first ``cache_seqlens`` keys of each sequence.
+        topk, beam, scorer, selector, forced_in_budget, scale: as in ``pisa_attn``;
+            ``selector="auto"`` chooses by the cache's ``max_seqlen``.
+        return_lse: bool. Also return the log-normaliser. Default False.
+        backend: "auto" (default: Triton on CUDA when installed, else torch) | "torch" | "triton"
+            | "naive" (the fp64 oracle, one sequence at a time; tiny inputs only).
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), q's dtype. Row ``t`` of sequence ``b`` equals row
+            ``s_b - seqlen_q + t`` of ``pisa_attn`` over the sequence's ``s_b`` keys.
+        lse (only if return_lse): (batch, nheads, seqlen_q) fp32, natural log.
+    """
+    if not isinstance(cache, PisaCache):
+        raise TypeError(f"cache must be a pisa.PisaCache, got {type(cache).__name__}")
+    B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B or q.shape[1] < 1 \
+            or q.shape[3] != D or q.shape[2] % H:
+        raise ValueError(f"q must have shape [B={B}, seqlen_q >= 1, nheads (a multiple of "
+                         f"{H}), D={D}], got {tuple(getattr(q, 'shape', ()))}")
+    if q.dtype != cache.dtype or q.device != cache.device:
+        raise TypeError(f"q must be {cache.dtype} on {cache.device} like the cache, got "
+                        f"{q.dtype} on {q.device}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    cfg = resolve_config(q, cache.k_cache, block_size=cache.block_size, topk=topk,
+                         branching=cache.branching, beam=beam, scorer=scorer, selector=selector,
+                         forced_in_budget=forced_in_budget, scale=scale)
+    backend = _resolve_backend(backend, q)
+    own = cache_seqlens is None
+    if own:
+        lens = cache.cache_seqlens
+    elif isinstance(cache_seqlens, int):
+        lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        lens = cache_seqlens
+    check_cache(cache.k_cache, cache.v_cache, cache.sums, lens, cache.block_size, cache.branching)
+    if k_new is not None:
+        if own:
+            cache.append(k_new, v_new)
+        else:
+            append_kv(cache.k_cache, cache.v_cache, cache.sums, k_new, v_new, lens,
+                      cache.block_size, cache.branching)
+            lens = lens + k_new.shape[1]
+    if q.shape[1] == 1 and backend in ("torch", "triton"):
+        # the fused kernel walks the pyramid with LSE scores; flat scans and the scorer
+        # ablations decode through the torch path
+        if backend == "triton" and cfg.selector == "pyramid" and cfg.scorer == "lse":
+            from .ops.decode_triton import decode_triton
+            o, lse = decode_triton(q, cache.k_cache, cache.v_cache, cache.sums, lens, cfg)
+        else:
+            o, lse = decode_torch(q, cache.k_cache, cache.v_cache, cache.sums, lens, cfg)
+    else:
+        o, lse = prefill_with_cache(q, cache.k_cache, cache.v_cache, cache.sums, lens.tolist(),
+                                    cfg, backend)
     return (o, lse) if return_lse else o

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .api import pisa_attn, pisa_select
+from .api import pisa_attn, pisa_attn_with_kvcache, pisa_select
+from .cache import PisaCache
 from .eval.metrics import captured_mass, dense_lse, recall_at_k
 from .eval.synthetic import structured_qkv
 
@@ -43,6 +44,7 @@ class BenchConfig:
     quality_max: int = 16384
     dense_max: int = 1 << 20
     backward: bool = False
+    decode: bool = False
     reps: int = 3
     log: object = field(default=sys.stderr, repr=False)
 
@@ -62,6 +64,16 @@ def meta(device: str, command: str) -> dict:
     return {"device": device_name(device), "torch": torch.__version__, "triton": triton_version,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": command}
+
+
+def result_row(op: str, impl: str, backend: str, *, B: int, T: int, HQ: int, HKV: int, D: int,
+               K: int, C: int, g: int, W: int, dtype: str, ms: float | None,
+               peak_gb: float | None = None, recall: float | None = None,
+               mass: float | None = None, **extra) -> dict:
+    """One row of the result schema above; ``extra`` (a benchmark's own columns) follows."""
+    return {"op": op, "impl": impl, "backend": backend, "B": B, "T": T, "HQ": HQ, "HKV": HKV,
+            "D": D, "K": K, "C": C, "g": g, "W": W, "dtype": dtype, "ms": ms, "peak_gb": peak_gb,
+            "recall": recall, "mass": mass, **extra}
 
 
 def time_ms(fn, device: str, reps: int = 3) -> float:
@@ -123,6 +135,24 @@ def dense_attention(q, k, v, device: str):
     return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
 
+def dense_decode(q, k, v, backend=None):
+    """Dense attention of one query per sequence ``q [B, 1, HQ, D]`` over every key of
+    ``k, v [B, T, HKV, D]`` (the cache layout, read in place): each KV head's ``G`` query heads
+    become a query length of ``G``, so GQA needs no repeated K/V. ``backend``: an ``SDPBackend``
+    to force (default: SDPA's choice)."""
+    B, _, HQ, D = q.shape
+    qf = q.reshape(B, k.shape[2], HQ // k.shape[2], D)
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    if backend is None:
+        return lambda: F.scaled_dot_product_attention(qf, kt, vt)
+    from torch.nn.attention import sdpa_kernel
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qf, kt, vt)
+    return run
+
+
 def run_bench(cfg: BenchConfig, command: str = "pisa bench") -> dict:
     """Sweep ``cfg.lengths``; returns ``{"meta", "rows"}`` in the project's result schema."""
     dtype = getattr(torch, cfg.dtype)
@@ -132,10 +162,9 @@ def run_bench(cfg: BenchConfig, command: str = "pisa bench") -> dict:
     rows = []
 
     def row(op, impl, T, ms, peak=None, recall=None, mass=None):
-        r = {"op": op, "impl": impl, "backend": cfg.backend, "B": cfg.batch, "T": T,
-             "HQ": cfg.heads, "HKV": cfg.kv_heads, "D": cfg.head_dim, "K": cfg.topk,
-             "C": cfg.block_size, "g": cfg.branching, "W": W, "dtype": cfg.dtype, "ms": ms,
-             "peak_gb": peak, "recall": recall, "mass": mass}
+        r = result_row(op, impl, cfg.backend, B=cfg.batch, T=T, HQ=cfg.heads, HKV=cfg.kv_heads,
+                       D=cfg.head_dim, K=cfg.topk, C=cfg.block_size, g=cfg.branching, W=W,
+                       dtype=cfg.dtype, ms=ms, peak_gb=peak, recall=recall, mass=mass)
         rows.append(r)
         print(f"  {op:7s} {impl:10s} T={T:<8d} ms={ms if ms is None else round(ms, 3)}"
               f" recall={recall} mass={mass}", file=cfg.log, flush=True)
@@ -172,7 +201,26 @@ def run_bench(cfg: BenchConfig, command: str = "pisa bench") -> dict:
             row("fwd", "dense", T, time_ms(dense, cfg.device, cfg.reps), peak_gb(cfg.device))
         if cfg.backward:
             _bench_fwdbwd(cfg, q, k, v, knobs, T, row)
+        if cfg.decode:
+            _bench_decode(cfg, q, k, v, T, row)
     return {"meta": meta(cfg.device, command), "rows": rows}
+
+
+def _bench_decode(cfg, q, k, v, T, row):
+    """One decode step at the end of the sequence: its last query against a cache holding its
+    ``T`` keys (``pisa_attn_with_kvcache``: the fused Triton kernel on CUDA, the torch decode on
+    CPU), and dense attention over the same keys."""
+    cache = PisaCache.from_prefill(k, v, block_size=cfg.block_size, branching=cfg.branching)
+    q1 = q[:, -1:]
+    reset_peak(cfg.device)
+    row("decode", "pisa", T, time_ms(
+        lambda: pisa_attn_with_kvcache(q1, cache, topk=cfg.topk, beam=cfg.beam,
+                                       backend=cfg.backend), cfg.device, cfg.reps),
+        peak_gb(cfg.device))
+    if T <= cfg.dense_max:
+        reset_peak(cfg.device)
+        row("decode", "dense", T, time_ms(dense_decode(q1, k, v), cfg.device, cfg.reps),
+            peak_gb(cfg.device))
 
 
 def _bench_fwdbwd(cfg, q, k, v, knobs, T, row):
@@ -204,6 +252,8 @@ TABLE_COLUMNS = (
     ("dense fwd ms", ("fwd", "dense"), "ms", ".2f"),
     ("pisa fb ms", ("fwdbwd", "pisa"), "ms", ".2f"),
     ("dense fb ms", ("fwdbwd", "dense"), "ms", ".2f"),
+    ("pisa dec ms", ("decode", "pisa"), "ms", ".3f"),
+    ("dense dec ms", ("decode", "dense"), "ms", ".3f"),
     ("rec pyr", ("select", "pyramid"), "recall", ".3f"),
     ("rec fmean", ("select", "flat_mean"), "recall", ".3f"),
     ("mass pyr", ("select", "pyramid"), "mass", ".3f"),

@@ -21,7 +21,8 @@ PAIRS_PER_GROUP = 32
 
 
 def _forced(t_abs: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Forced leaves ``[Tc, 3]`` (sink, previous, current), duplicates replaced by -1."""
+    """Forced leaves ``[..., 3]`` (sink, previous, current) of positions ``t_abs [...]``
+    (``[Tc]``, or ``[B, Tc]`` when each sequence has its own positions), duplicates -1."""
     cur = t_abs // block_size
     prev = (cur - 1).clamp_min(0)
     sink = torch.zeros_like(cur)
@@ -31,8 +32,9 @@ def _forced(t_abs: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def _is_in(x: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-    """``x [B, Tc, H, A]`` elementwise membership in ``members [Tc, F]`` (-1 never matches)."""
-    hit = x[..., :, None] == members[None, :, None, None, :]
+    """``x [B, Tc, H, A]`` elementwise membership in ``members [Tc, F]`` or ``[B, Tc, F]``
+    (-1 never matches)."""
+    hit = x[..., :, None] == members[..., None, None, :]
     return hit.any(-1) & (x >= 0)
 
 
@@ -101,7 +103,8 @@ def _exact_leaf_scores(qs, k_blocks, cand, scorer):
 def _finish(cand, score, forced, cfg: SelectConfig):
     """Merge forced leaves with the best free candidates; sort ascending; pad with -1.
 
-    ``cand [B, Tc, H, M]`` (-1 = none), ``score`` the same shape (-inf = not rankable).
+    ``cand [B, Tc, H, M]`` (-1 = none), ``score`` the same shape (-inf = not rankable),
+    ``forced [Tc, 3]`` or ``[B, Tc, 3]`` (from ``_forced``).
     """
     B, Tc, H, M = cand.shape
     n_forced = (forced >= 0).sum(-1)  # [Tc]
@@ -109,9 +112,10 @@ def _finish(cand, score, forced, cfg: SelectConfig):
                           device=cand.device)[n_forced]
     width = min(M, max(cfg.free_budget(1), 0))
     best, pos = torch.topk(score, width, dim=-1) if width else (score[..., :0], cand[..., :0])
-    take = torch.isfinite(best) & (torch.arange(width, device=cand.device) < budget[:, None, None])
+    in_budget = torch.arange(width, device=cand.device) < budget[..., None, None]
+    take = torch.isfinite(best) & in_budget
     chosen = torch.where(take, torch.gather(cand, -1, pos), -1)
-    forced_b = forced[None, :, None, :].expand(B, Tc, H, MAX_FORCED)
+    forced_b = forced[..., None, :].expand(B, Tc, H, MAX_FORCED)
     merged = torch.cat([forced_b, chosen], dim=-1)
     big = torch.iinfo(torch.int64).max
     merged = torch.sort(torch.where(merged >= 0, merged.long(), big), dim=-1).values
@@ -125,7 +129,10 @@ def _finish(cand, score, forced, cfg: SelectConfig):
 
 
 def _walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
-    """Beam search from the root to level 2; returns candidate leaves ``[B, Tc, H, M]``."""
+    """Beam search from the root to level 2; returns candidate leaves ``[B, Tc, H, M]``.
+
+    ``t_abs [Tc]`` or ``[B, Tc]`` (positions per sequence, as in decode), ``forced`` its forced
+    leaves (``_forced``)."""
     B, Tc, H, G, D = qs.shape
     g, C = cfg.branching, cfg.block_size
     dev = qs.device
@@ -135,7 +142,7 @@ def _walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
         span = g ** (lvl - 1)
         child_means, child_counts = pyr.level(lvl - 1)
         n_child = child_counts.shape[0]
-        valid = (active >= 0) & (active * span * C <= t_abs[None, :, None, None])
+        valid = (active >= 0) & (active * span * C <= t_abs[..., None, None])
         forced_here = torch.where(forced >= 0, forced // span, -1)
         is_forced = _is_in(active, forced_here) & valid
         rest = valid & ~is_forced

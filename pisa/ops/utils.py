@@ -68,15 +68,20 @@ def forced_leaves(t_abs: int, block_size: int) -> list[int]:
     return sorted({0, max(cur - 1, 0), cur})
 
 
-def resolve_config(q: torch.Tensor, k: torch.Tensor, *, block_size: int, topk: int,
-                   branching: int, beam: int | None, scorer: str, selector: str,
-                   forced_in_budget: bool, scale: float | None) -> SelectConfig:
-    """Check the selection knobs and fill in defaults; raise ``ValueError`` naming the bad one."""
+def check_geometry(block_size: int, branching: int) -> None:
+    """Check the pyramid geometry (leaf block size ``C``, branching factor ``g``)."""
     if not isinstance(block_size, int) or block_size < 4 or block_size > 256 \
             or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two in [4, 256], got {block_size!r}")
     if not isinstance(branching, int) or branching < 2:
         raise ValueError(f"branching must be an int >= 2, got {branching!r}")
+
+
+def resolve_config(q: torch.Tensor, k: torch.Tensor, *, block_size: int, topk: int,
+                   branching: int, beam: int | None, scorer: str, selector: str,
+                   forced_in_budget: bool, scale: float | None) -> SelectConfig:
+    """Check the selection knobs and fill in defaults; raise ``ValueError`` naming the bad one."""
+    check_geometry(block_size, branching)
     if scorer not in SCORERS:
         raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
     if selector not in SELECTORS:

@@ -1,0 +1,389 @@
+"""Fused Triton decode step: pyramid walk on the cache's key sums, exact leaf ranking and sparse
+attention over the selected blocks, for a batch of sequences of different lengths.
+
+Semantics are those of ``decode.decode_torch``: the query of sequence ``b`` sits at position
+``t = cache_seqlens[b] - 1`` (its own key already appended) and the result equals row ``t`` of
+prefill (``pisa_select`` + sparse attention) over the sequence's first ``t + 1`` keys.
+
+Design
+------
+One launch per step, grid ``(B, HKV, SPLITS)``. Each program loads the ``G`` query heads of its
+GQA group as the rows of its tiles (padded to ``ROWS``) and, from ``cache_seqlens[b]`` read on the
+device, walks the pyramid of the cache (the geometry of ``T_max``: its level count and row offsets
+are fixed by the cache shape; above the sequence's own root only node 0 is active, forced, so the
+walk equals prefill's):
+
+- internal levels, root to level 2: the candidates are the children of the kept nodes of the level
+  above and of its forced nodes (``select_triton._candidates``); future and forced candidates drop
+  out; when more than ``W`` remain, each is scored per head by the LSE over its children's means
+  (``_child_lse``: the cache's sums over the children's key count, which is the full span, as
+  every ranked node lies before the query), summed over heads, and ``tl.topk`` over packed
+  (score, index) keys keeps ``W``. Per level that is ``g`` loads of the candidates' child sums
+  and their dots, nothing else.
+- leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
+  keys (``select_triton._leaf_key_scores``: one ``[g * C, D]`` load and one dot per parent); the
+  best ``K - #forced`` free blocks (``K`` with ``forced_in_budget=False``) join the sink, previous
+  and current blocks.
+- attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
+  list of selected blocks and runs an online softmax over their keys ``j <= t``. Every split
+  repeats the walk and the leaf ranking (a few microseconds of latency, reads mostly from L2)
+  instead of paying a second launch and a round trip through memory. One split writes the final
+  ``o, lse``; several write fp32 partials that ``_combine_kernel`` merges by their LSE.
+
+Nothing depends on tensor values on the host (no ``.item()``, allocation sizes from shapes only),
+so a step is capturable in a CUDA graph. ``cache_seqlens`` values above ``T_max`` are clamped to it;
+``0`` gives ``o = 0`` and ``lse = -inf``.
+
+Precision. As in ``select_triton``: keys and queries enter ``tl.dot`` in their dtype (fp32
+accumulation), the fp32 child means against 16-bit queries as a 16-bit head plus residual, fp32
+inputs with ``input_precision="ieee"``. Means are ``sums / counts`` in fp32 as the prefill build
+computes them; their sums only differ in summation order, so decode and prefill can differ only on
+near-tied candidates.
+
+Limits: ``scorer="lse"``, ``selector="pyramid"``; ``branching`` 2 or 4; ``block_size`` a power of
+two in [16, 128]; head dim 16, 32, 64 or 128; ``W <= 512 / g`` (wider beams are capped at the leaf
+count of ``T_max``, which prunes nothing either).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .attn_triton import _LN2_K, _LOG2E, _empty, _load_rows, _poisoned, _pow2, _store_rows
+from .decode import check_decode
+from .pyramid import level_offsets
+from .select_triton import (_F32_PRECISION, _KEY_NONE, _candidates, _dot_nt, _dot_nt_f32,
+                            _forced_parents, _leaf_key_scores, _load_queries, _pack, _unpack_idx)
+from .utils import SelectConfig, cdiv
+
+_HEAD_DIMS = (16, 32, 64, 128)
+_BRANCHINGS = (2, 4)
+_MAX_GROUP = 64  # query heads per KV head: the rows of every tile
+# Query rows per tile (the GQA group, zero-padded). 16-row tiles whose product feeds a second dot
+# gave wrong results on the H200 with triton 3.6 in the attention kernel (docs/results_h200.md);
+# 32 rows were right there, and a decode step is bound by latency, not by these tiny products.
+_MIN_ROWS = 32
+# Splits beyond this cost more in repeated walks (extra programs and L2 traffic) than they save in
+# attention latency: K / SPLITS blocks per program.
+_MAX_SPLITS = 8
+# ptxas (sm_90, config A: G=16, D=128, C=64, g=2, W=16) allots 255 registers a thread either way;
+# at 4 warps it spills 352 bytes a thread, at 8 warps none.
+_NUM_WARPS = 8
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _child_lse(b_q, o_x, m_x, p_child, s_cn, n_keys, scale,
+               G_BR: tl.constexpr, D: tl.constexpr, F32_PREC: tl.constexpr):
+    """Per query row scores ``[ROWS, NX]`` of candidates ``o_x [NX]``: ``log sum_c exp(scale *
+    q . s_c / n_keys)`` over their ``G_BR`` children's sums ``s_c`` (rows ``o_x * G_BR + c`` of
+    ``p_child``), online over ``c``; ``-inf`` outside ``m_x``.
+
+    A ranked node lies wholly before the query (nodes holding it are forced, later ones dropped),
+    so each of its children is full, ``n_keys`` keys: the means are ``s_c / n_keys`` and the
+    spec's count weights ``n_c`` are one constant factor per level, which no ranking sees."""
+    o_d = tl.arange(0, D)
+    M: tl.constexpr = b_q.shape[0]
+    N: tl.constexpr = o_x.shape[0]
+    b_max = tl.full([M, N], float("-inf"), dtype=tl.float32)
+    b_acc = tl.zeros([M, N], dtype=tl.float32)
+    for c in range(0, G_BR):
+        p = p_child + (o_x * G_BR + c).to(tl.int64)[:, None] * s_cn + o_d[None, :]
+        b_mean = tl.load(p, mask=m_x[:, None], other=0.) / n_keys
+        b_x = _dot_nt_f32(b_q, b_mean, F32_PREC) * scale  # finite: masked rows read zeros
+        b_new = tl.maximum(b_max, b_x)
+        b_acc = b_acc * tl.exp(b_max - b_new) + tl.exp(b_x - b_new)
+        b_max = b_new
+    return tl.where(m_x[None, :], b_max + tl.log(b_acc), float("-inf"))
+
+
+@triton.jit
+def _dot_pv(b_p, b_v, F32_PREC: tl.constexpr):
+    """``b_p [M, C] @ b_v [C, D]`` in fp32, ``b_p`` rounded to the values' dtype."""
+    if b_v.dtype == tl.float32:
+        b_o = tl.dot(b_p, b_v, input_precision=F32_PREC)
+    else:
+        b_o = tl.dot(b_p.to(b_v.dtype), b_v)
+    return b_o
+
+
+@triton.jit
+def _decode_kernel(
+        p_q, p_k, p_v, p_sums, p_seqlens, p_o, p_lse, p_idx,
+        T_max, n_leaves, n_total, n_levels, top_span, scale, scale_log2,
+        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_sn, s_sh,
+        s_ob, s_oh, s_os, s_lb, s_lh, s_ls, s_ib, s_ih,
+        G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+        G_BR: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, KS: tl.constexpr,
+        TOPK: tl.constexpr, IN_BUDGET: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr,
+        KPS: tl.constexpr, WRITE_IDX: tl.constexpr, F32_PREC: tl.constexpr):
+    """Walk, leaf ranking and the attention of split ``i_s`` for sequence ``i_b``, KV head ``i_h``.
+
+    Register state between levels: ``b_rest [WP]``, the kept non-forced nodes (``n_rest`` of them)
+    of the level above; forced nodes are never carried, they follow from ``cur``.
+    Writes ``o`` rows (``p_o`` at split ``i_s``: the final output, or an fp32 partial) and their
+    natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending (``-1`` padded).
+    """
+    i_b, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NX: tl.constexpr = 2 * G_BR * WP
+    b_q, m_row = _load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, ROWS, 1, D, D)
+    seqlen = tl.minimum(tl.load(p_seqlens + i_b), T_max)
+    t = seqlen - 1  # the query's position; -1 for an empty sequence (every key masked)
+    cur = tl.maximum(t, 0) // C
+    p_kh = p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh
+    p_sh = p_sums + i_b.to(tl.int64) * s_sb + i_h * s_sh
+
+    # Internal levels. ``lo`` is the first sums row of the level being ranked (level sizes are
+    # cdiv(n_leaves, span): the offsets of the T_max geometry, top-down).
+    o_w = tl.arange(0, WP)
+    b_rest = tl.zeros([WP], dtype=tl.int32)
+    n_rest = 0
+    span = top_span  # leaves under a node of the level being ranked
+    lo = n_total - 1 - (n_leaves + top_span - 1) // top_span
+    for _ in range(0, n_levels - 2):
+        lo_c = lo - (n_leaves + span // G_BR - 1) // (span // G_BR)
+        o_x, m_x = _candidates(b_rest, n_rest, cur, cur, span * G_BR, G_BR, G_BR, WP)
+        m_x = m_x & (o_x * span * C <= t) & (o_x != 0) \
+            & (o_x != tl.maximum(cur - 1, 0) // span) & (o_x != cur // span)
+        n_cand = tl.sum(m_x.to(tl.int32))
+        # Unscored candidates rank by node index, which keeps all of them (n_cand <= W).
+        b_s = tl.zeros([NX], dtype=tl.float32)
+        if n_cand > W:
+            b_sm = _child_lse(b_q, o_x, m_x, p_sh + lo_c.to(tl.int64) * s_sn, s_sn,
+                              span // G_BR * C, scale, G_BR, D, F32_PREC)
+            b_s = tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
+        b_top = tl.topk(tl.where(m_x, _pack(b_s, o_x), _KEY_NONE), WP)
+        b_rest = tl.where(b_top != _KEY_NONE, _unpack_idx(b_top), 0)
+        n_rest = tl.minimum(n_cand, W)
+        span = span // G_BR
+        lo = lo_c
+
+    # Leaves: exact LSE of the free children ([1, cur - 2]) of each kept parent, then of each new
+    # forced parent (sink, previous, current); scores land in the candidate slots by index.
+    o_x, m_x = _candidates(b_rest, n_rest, cur, cur, G_BR, G_BR, G_BR, WP)
+    m_free = m_x & (o_x >= 1) & (o_x <= cur - 2)
+    o_c = tl.arange(0, G_BR)
+    b_s = tl.zeros([NX], dtype=tl.float32)
+    for j in range(0, n_rest + 3):
+        par_f, new_f = _forced_parents(j - n_rest, cur, cur, G_BR)
+        kept = j < n_rest
+        par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
+        o_leaf = par * G_BR + o_c
+        m_leaf = (kept | new_f) & (o_leaf >= 1) & (o_leaf <= cur - 2)
+        b_sj = tl.sum(_leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
+                                       1, ROWS, C, C, D, D, 0, F32_PREC), axis=0)  # [G_BR]
+        m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, G_BR]
+        b_s = tl.where(tl.max(m_hit.to(tl.int32), axis=1) > 0,
+                       tl.sum(tl.where(m_hit, b_sj[None, :], 0.), axis=1), b_s)
+    b_top = tl.topk(tl.where(m_free, _pack(b_s, o_x), _KEY_NONE), KS)  # best first
+
+    # The selected blocks as a list: sink, previous, current (-1 when duplicate), then the chosen
+    # free blocks; at most SLOTS entries are used.
+    n_forced = 1 + (cur >= 1).to(tl.int32) + (cur >= 2).to(tl.int32)
+    budget = TOPK - n_forced
+    if not IN_BUDGET:
+        budget = budget + n_forced
+    o_k = tl.arange(0, KS)
+    b_ch = tl.where((o_k < budget) & (b_top != _KEY_NONE), _unpack_idx(b_top), -1)
+    o_s = tl.arange(0, SP)
+    b_sel = tl.sum(tl.where(o_k[None, :] == o_s[:, None] - 3, b_ch[None, :] + 1, 0), axis=1) - 1
+    b_sel = tl.where(o_s == 2, tl.where(cur >= 1, cur, -1), b_sel)
+    b_sel = tl.where(o_s == 1, tl.where(cur >= 2, cur - 1, -1), b_sel)
+    b_sel = tl.where(o_s == 0, 0, b_sel)
+    if WRITE_IDX:
+        if i_s == 0:
+            b_asc = tl.sort(tl.where(b_sel >= 0, b_sel, 0x7FFFFFFF))
+            tl.store(p_idx + i_b * s_ib + i_h * s_ih + o_s,
+                     tl.where(b_asc == 0x7FFFFFFF, -1, b_asc), mask=o_s < SLOTS)
+
+    # Attention over this split's share of the list (online softmax in base 2).
+    p_vh = p_v + i_b.to(tl.int64) * s_vb + i_h * s_vh
+    o_t = tl.arange(0, C)
+    b_m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([ROWS], dtype=tl.float32)
+    b_acc = tl.zeros([ROWS, D], dtype=tl.float32)
+    for j in range(0, KPS):
+        blk = tl.sum(tl.where(o_s == i_s * KPS + j, b_sel + 1, 0)) - 1
+        o_key = blk * C + o_t
+        m_key = (blk >= 0) & (o_key <= t)
+        b_k = _load_rows(p_kh, o_key.to(tl.int64) * s_kt, m_key, D)
+        b_v = _load_rows(p_vh, o_key.to(tl.int64) * s_vt, m_key, D)
+        b_z = tl.where(m_key[None, :], _dot_nt(b_q, b_k, F32_PREC) * scale_log2, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_z, axis=1))
+        # rows that have seen no key yet keep -inf; shift them by 0 so exp2 gives 0, not nan
+        b_shift = tl.where(b_m_new == float("-inf"), 0., b_m_new)
+        b_p = tl.exp2(b_z - b_shift[:, None])
+        b_alpha = tl.exp2(b_m - b_shift)
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + _dot_pv(b_p, b_v, F32_PREC)
+        b_m = b_m_new
+
+    o_head = i_h * G + tl.arange(0, ROWS)
+    b_l_safe = tl.where(b_l > 0, b_l, 1.)
+    _store_rows(p_o + i_b.to(tl.int64) * s_ob + i_s * s_os, o_head * s_oh, m_row,
+                b_acc / b_l_safe[:, None], D)
+    b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l_safe)) * _LN2_K, float("-inf"))
+    tl.store(p_lse + i_b * s_lb + o_head * s_lh + i_s * s_ls, b_lse, mask=m_row)
+
+
+@triton.jit
+def _combine_kernel(p_po, p_plse, p_o, p_lse, HQ, s_ob, s_oh,
+                    SPLITS: tl.constexpr, SPP: tl.constexpr, D: tl.constexpr):
+    """Merge the ``SPLITS`` partials ``[B, HQ, SPLITS, D]`` of head ``i_q`` of sequence ``i_b`` by
+    their LSE (splits without a key have ``lse = -inf`` and weigh 0)."""
+    i_b, i_q = tl.program_id(0), tl.program_id(1)
+    o_sp = tl.arange(0, SPP)
+    m_sp = o_sp < SPLITS
+    row = (i_b * HQ + i_q) * SPLITS
+    b_lse = tl.load(p_plse + row + o_sp, mask=m_sp, other=float("-inf"))
+    b_max = tl.max(b_lse, axis=0)
+    b_shift = tl.where(b_max == float("-inf"), 0., b_max)
+    b_w = tl.exp(b_lse - b_shift)
+    b_sum = tl.sum(b_w, axis=0)
+    b_po = _load_rows(p_po, (row + o_sp).to(tl.int64) * D, m_sp & (b_w > 0), D)
+    b_o = tl.sum(b_w[:, None] * b_po, axis=0) / tl.where(b_sum > 0, b_sum, 1.)
+    o_d = tl.arange(0, D)
+    tl.store(p_o + i_b.to(tl.int64) * s_ob + i_q * s_oh + o_d, b_o.to(p_o.dtype.element_ty))
+    b_lse_o = b_shift + tl.log(tl.where(b_sum > 0, b_sum, 1.))
+    tl.store(p_lse + i_b * HQ + i_q, tl.where(b_sum > 0, b_lse_o, float("-inf")))
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the H200's; only shapes the interpreter's default split count
+
+
+def default_num_splits(batch: int, kv_heads: int, slots: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head): enough programs to cover the GPU's SMs once, at most
+    ``_MAX_SPLITS`` and at most one per selected block (B=1, HKV=4 on an H200: 8; B=16: 2)."""
+    return max(1, min(slots, _MAX_SPLITS, _sm_count(device) // max(batch * kv_heads, 1)))
+
+
+def _check_supported(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                     cfg: SelectConfig, num_splits, num_warps) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"decode_triton needs fp16/bf16/fp32 q and cache, got {q.dtype}")
+    if q.shape[2] // k_cache.shape[2] > _MAX_GROUP:
+        raise ValueError(f"decode_triton supports up to {_MAX_GROUP} query heads per KV head, "
+                         f"got {q.shape[2] // k_cache.shape[2]}")
+    if q.shape[-1] not in _HEAD_DIMS:
+        raise ValueError(f"decode_triton supports head dims {_HEAD_DIMS}, got {q.shape[-1]}")
+    if cfg.scorer != "lse":
+        raise ValueError(f"decode_triton supports scorer='lse' only, got {cfg.scorer!r} "
+                         "(use backend='torch' for the ablation scorers)")
+    if cfg.selector != "pyramid":
+        raise ValueError(f"decode_triton supports selector='pyramid' only, got {cfg.selector!r} "
+                         "(use backend='torch' for the flat selectors)")
+    if cfg.branching not in _BRANCHINGS:
+        raise ValueError(f"decode_triton supports branching in {_BRANCHINGS}, got "
+                         f"{cfg.branching}")
+    if not 16 <= cfg.block_size <= 128:
+        raise ValueError(f"decode_triton supports block_size in [16, 128], got {cfg.block_size}")
+    if not cache_seqlens.is_contiguous():
+        raise ValueError("cache_seqlens must be contiguous")
+    if q.stride(-1) != 1:
+        raise ValueError(f"q must be contiguous in its last (head) dim, got strides {q.stride()}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if num_warps not in (None, 1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be None or a power of two in [1, 16], got "
+                         f"{num_warps!r}")
+
+
+def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, *,
+                  num_splits: int | None = None, num_warps: int | None = None,
+                  return_block_idx: bool = False):
+    """One decode step (selection and attention) with one fused Triton kernel.
+
+    Arguments:
+        q: (batch, 1, nheads, headdim), fp16/bf16/fp32, the cache's dtype and device. The query
+            of sequence ``b`` sits at position ``cache_seqlens[b] - 1``.
+        k_cache, v_cache: (batch, max_seqlen, nheads_k, headdim), last dim contiguous.
+        sums: (batch, N_total, nheads_k, headdim) fp32, the pyramid key sums of the cache
+            (``pisa.ops.kvcache`` layout, geometry of ``max_seqlen``).
+        cache_seqlens: (batch,) int32, valid keys per sequence including the current token.
+        cfg: resolved ``SelectConfig`` (``selector="pyramid"``, ``scorer="lse"``, ``branching``
+            2 or 4, ``block_size`` 16..128).
+        num_splits: programs per (sequence, KV head) sharing the attention over the selected
+            blocks (flash-decoding). Default: ``default_num_splits`` (fill the SMs once).
+        num_warps: warps per program of the main kernel (a tuning knob; default 8).
+        return_block_idx: also return the selection, for tests and inspection.
+
+    Returns:
+        out: (batch, 1, nheads, headdim), q's dtype.
+        lse: (batch, nheads, 1) fp32, natural log (``-inf`` and ``out = 0`` for an empty sequence).
+        block_idx (only if return_block_idx): (batch, 1, nheads_k, cfg.slots) int32, ascending,
+            ``-1`` padded (the layout of ``pisa_select``).
+
+    No host synchronisation: a step (with ``kvcache.append_kv`` before it) can be captured in a
+    CUDA graph.
+    """
+    check_decode(q, k_cache, v_cache, sums, cache_seqlens, cfg)
+    _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps)
+    B, _, HQ, D = q.shape
+    T_max, HKV = k_cache.shape[1], k_cache.shape[2]
+    G, C, g = HQ // HKV, cfg.block_size, cfg.branching
+    offsets = level_offsets(T_max, C, g)
+    n_levels, n_leaves = len(offsets) - 1, offsets[1]
+    W = min(cfg.beam, n_leaves)  # no level has more candidates than leaves
+    WP = max(_pow2(W), 4)  # _candidates' 4 forced-parent slots (and >= 16 candidate columns)
+    if 2 * g * WP > 1024:
+        raise ValueError(f"beam={cfg.beam} is too wide for the Triton decode kernel at "
+                         f"branching={g}: use beam <= {512 // g}")
+    slots = cfg.slots
+    splits = min(num_splits or default_num_splits(B, HKV, slots, q.device), slots)
+    kps = cdiv(slots, splits)
+    splits = cdiv(slots, kps)  # no split without a list entry
+
+    o = _empty(B, 1, HQ, D, dtype=q.dtype, device=q.device)
+    lse = _empty(B, HQ, 1, dtype=torch.float32, device=q.device)
+    block_idx = lse  # an unused pointer unless the selection is asked for
+    if return_block_idx:
+        block_idx = torch.empty(B, 1, HKV, slots, dtype=torch.int32, device=q.device)
+        if _poisoned():
+            block_idx.fill_(-7)
+    if splits == 1:
+        out, out_lse = o, lse
+        o_strides = (o.stride(0), o.stride(2), 0)
+        l_strides = (lse.stride(0), lse.stride(1), 0)
+    else:
+        out = _empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
+        out_lse = _empty(B, HQ, splits, dtype=torch.float32, device=q.device)
+        o_strides = out.stride()[:3]
+        l_strides = out_lse.stride()
+    if B == 0:
+        return (o, lse, block_idx) if return_block_idx else (o, lse)
+
+    es = k_cache.element_size()
+    # Pipelined copies of the child-sum tile, the parent's leaf keys and a K/V block must fit
+    # shared memory (227 KB a block on the H100 / H200).
+    stage_bytes = 2 * g * WP * D * 4 + g * C * D * es + 2 * C * D * es
+    _decode_kernel[(B, HKV, splits)](
+        q, k_cache, v_cache, sums, cache_seqlens, out, out_lse, block_idx,
+        T_max, n_leaves, offsets[-1], n_levels, g ** max(n_levels - 2, 0), cfg.scale,
+        cfg.scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], sums.stride(0), sums.stride(1), sums.stride(2),
+        *o_strides, *l_strides, block_idx.stride(0), block_idx.stride(2),
+        G=G, ROWS=max(_pow2(G), _MIN_ROWS), D=D, C=C, G_BR=g, W=W, WP=WP,
+        KS=min(2 * g * WP, _pow2(cfg.topk)), TOPK=cfg.topk, IN_BUDGET=cfg.forced_in_budget,
+        SLOTS=slots, SP=_pow2(slots), KPS=kps, WRITE_IDX=return_block_idx,
+        F32_PREC=_F32_PRECISION, num_warps=num_warps or _NUM_WARPS,
+        num_stages=max(1, min(3, 200_000 // stage_bytes)))
+    if splits > 1:
+        _combine_kernel[(B, HQ)](out, out_lse, o, lse, HQ, o.stride(0), o.stride(2),
+                                 SPLITS=splits, SPP=_pow2(splits), D=D, num_warps=4)
+    return (o, lse, block_idx) if return_block_idx else (o, lse)

@@ -1,0 +1,156 @@
+"""The decode cache's storage ops: append keys/values and keep the key pyramid's sums current.
+
+Layout (contiguous form, per layer; shared with ``decode.py`` and ``decode_triton.py``):
+
+- ``k_cache, v_cache [B, T_max, HKV, D]`` (FlashAttention's ``flash_attn_with_kvcache`` layout).
+- ``sums [B, N_total, HKV, D]``: the pyramid's key SUMS in the layout of ``pisa.ops.pyramid``
+  (leaves first, up to the single root) for the geometry of ``T_max`` keys:
+  ``offsets = level_offsets(T_max, C, g)``. fp32 (fp64 for an fp64 cache, so the fp64 oracle tests
+  compare like with like). Node ``i`` of level ``l`` covers keys ``[i·C·g^(l-1), (i+1)·C·g^(l-1))``
+  and holds the sum of those of its keys that lie before ``cache_seqlens[b]``; rows past the
+  sequence are zero.
+- ``cache_seqlens [B]`` int32: valid keys per sequence.
+
+Counts are not stored: node ``i`` of level ``l`` holds ``clamp(seqlen - i·C·g^(l-1), 0,
+C·g^(l-1))`` keys. Keeping sums (not means) makes an append a plain add into the new key's leaf and
+each of its ancestors: O(log N) work per token, O(N/C) memory on top of K/V.
+"""
+from __future__ import annotations
+
+import torch
+
+from .pyramid import Pyramid, level_offsets
+from .utils import check_geometry, compute_dtype, level_sizes
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_size: int, branching: int) -> tuple[int, ...]:
+    """Validate a cache's tensors (metadata only: no host sync); return the pyramid offsets."""
+    check_geometry(block_size, branching)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("sums", sums),
+                    ("cache_seqlens", cache_seqlens)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if k_cache.dim() != 4 or not k_cache.is_floating_point():
+        raise ValueError(f"k_cache must be a floating-point [B, T_max, HKV, D] tensor, got "
+                         f"{k_cache.dtype} {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype \
+            or v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache ({v_cache.dtype} {tuple(v_cache.shape)} on {v_cache.device}) "
+                         f"must match k_cache ({k_cache.dtype} {tuple(k_cache.shape)} on "
+                         f"{k_cache.device})")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous in their last (head) dim")
+    B, T, H, D = k_cache.shape
+    offsets = level_offsets(T, block_size, branching)
+    want = (B, offsets[-1], H, D)
+    if tuple(sums.shape) != want or sums.dtype != compute_dtype(k_cache):
+        raise ValueError(f"sums must be {compute_dtype(k_cache)} {list(want)} (pyramid of "
+                         f"T_max={T}, block_size={block_size}, branching={branching}), got "
+                         f"{sums.dtype} {tuple(sums.shape)}")
+    if sums.device != k_cache.device or not sums.is_contiguous():
+        raise ValueError(f"sums must be contiguous on k_cache's device {k_cache.device}")
+    if tuple(cache_seqlens.shape) != (B,) or cache_seqlens.dtype != torch.int32 \
+            or cache_seqlens.device != k_cache.device:
+        raise ValueError(f"cache_seqlens must be int32 [{B}] on {k_cache.device}, got "
+                         f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)} on "
+                         f"{cache_seqlens.device}")
+    return offsets
+
+
+def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
+              k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+              block_size: int, branching: int) -> None:
+    """Write ``k_new, v_new [B, L, HKV, D]`` at positions ``[seqlens_b, seqlens_b + L)`` of each
+    sequence and add the new keys into their leaf's and every ancestor's sum, in place.
+
+    Does not advance ``cache_seqlens`` (the caller does). All indices are computed on the device
+    from ``cache_seqlens``: no host sync and no branching on tensor values, so a decode step that
+    appends can be captured in a CUDA graph. On CPU it also checks that no sequence overflows
+    ``T_max``; on CUDA that check would cost a host sync, so an overflowing write is left to the
+    index kernel's device-side bounds assert (as with FlashAttention's cache).
+    """
+    offsets = check_cache(k_cache, v_cache, sums, cache_seqlens, block_size, branching)
+    B, T, H, D = k_cache.shape
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4 or x.shape[0] != B or tuple(x.shape[2:]) != (H, D):
+            raise ValueError(f"{name} must have shape [B={B}, L, HKV={H}, D={D}], got "
+                             f"{tuple(x.shape)}")
+        if x.dtype != k_cache.dtype or x.device != k_cache.device:
+            raise TypeError(f"{name} must be {k_cache.dtype} on {k_cache.device} like the cache, "
+                            f"got {x.dtype} on {x.device}")
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"v_new shape {tuple(v_new.shape)} differs from k_new shape "
+                         f"{tuple(k_new.shape)}")
+    L = k_new.shape[1]
+    if L == 0:
+        return
+    if k_cache.device.type == "cpu":
+        bad = (cache_seqlens < 0) | (cache_seqlens > T - L)
+        if bool(bad.any()):
+            raise ValueError(f"cache_seqlens {cache_seqlens.tolist()} + {L} new tokens exceed "
+                             f"the cache's max_seqlen {T} (or are negative)")
+    dev = k_cache.device
+    pos = cache_seqlens.long()[:, None] + torch.arange(L, device=dev)  # [B, L]
+    seq = torch.arange(B, device=dev)[:, None].expand(B, L)
+    k_cache[seq, pos] = k_new
+    v_cache[seq, pos] = v_new
+    flat = sums.view(B * offsets[-1], H, D)
+    keys = k_new.reshape(B * L, H, D).to(sums.dtype)
+    base = seq * offsets[-1]
+    for lvl in range(1, len(offsets)):
+        span = block_size * branching ** (lvl - 1)  # keys under one node of this level
+        flat.index_add_(0, (base + offsets[lvl - 1] + pos // span).reshape(-1), keys)
+
+
+def _leaves_of(n_total: int, branching: int) -> int:
+    """The leaf count whose pyramid has ``n_total`` nodes (the total grows strictly with it)."""
+    lo, hi = 1, max(n_total, 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(level_sizes(mid, branching)) < n_total:
+            lo = mid + 1
+        else:
+            hi = mid
+    if sum(level_sizes(lo, branching)) != n_total:
+        raise ValueError(f"sums has {n_total} pyramid rows, which no pyramid of branching "
+                         f"{branching} has")
+    return lo
+
+
+def node_counts(n_tokens: int, offsets: tuple[int, ...], block_size: int, branching: int,
+                device=None) -> torch.Tensor:
+    """Keys under each node ``[offsets[-1]]`` int32 when the first ``n_tokens`` keys are present."""
+    counts = []
+    for lvl in range(1, len(offsets)):
+        span = block_size * branching ** (lvl - 1)
+        start = torch.arange(offsets[lvl] - offsets[lvl - 1], device=device) * span
+        counts.append((n_tokens - start).clamp(0, span))
+    return torch.cat(counts).to(torch.int32)
+
+
+def pyramid_from_sums(sums: torch.Tensor, seqlen: int, block_size: int,
+                      branching: int) -> Pyramid:
+    """The ``Pyramid`` (means, counts, offsets) of the first ``seqlen`` keys of a cache.
+
+    ``sums [B, N_total, HKV, D]`` in the cache layout (geometry of the cache's ``T_max``), holding
+    the first ``seqlen`` keys of every sequence of the batch. Returns the pyramid in the geometry
+    of ``seqlen`` keys (``level_offsets(seqlen, C, g)``), as ``build_pyramid_torch`` builds it from
+    those keys (up to summation order): the training selection kernels take it as ``pyramid=``.
+    """
+    check_geometry(block_size, branching)
+    if not isinstance(sums, torch.Tensor) or sums.dim() != 4 or not sums.is_floating_point():
+        raise ValueError("sums must be a floating-point [B, N_total, HKV, D] tensor")
+    capacity = _leaves_of(sums.shape[1], branching) * block_size
+    if not isinstance(seqlen, int) or not 1 <= seqlen <= capacity:
+        raise ValueError(f"seqlen must be an int in [1, {capacity}] (the cache's capacity), got "
+                         f"{seqlen!r}")
+    full = level_offsets(capacity, block_size, branching)
+    offsets = level_offsets(seqlen, block_size, branching)
+    rows = torch.cat([torch.arange(full[i], full[i] + offsets[i + 1] - offsets[i],
+                                   device=sums.device) for i in range(len(offsets) - 1)])
+    counts = node_counts(seqlen, offsets, block_size, branching, sums.device)
+    means = sums.index_select(1, rows) / counts[None, :, None, None].to(sums.dtype)
+    return Pyramid(means, counts, offsets)

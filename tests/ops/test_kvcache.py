@@ -1,0 +1,164 @@
+import pytest
+import torch
+
+from pisa.ops.kvcache import append_kv, check_cache, pyramid_from_sums
+from pisa.ops.pyramid import build_pyramid_torch, level_offsets
+from pisa.ops.utils import compute_dtype
+
+
+def _empty_cache(B, T, H, D, C, g, dtype=torch.float64, device="cpu"):
+    k = torch.full((B, T, H, D), float("nan"), dtype=dtype, device=device)  # never read unwritten
+    n_total = level_offsets(T, C, g)[-1]
+    sums = torch.zeros(B, n_total, H, D, dtype=compute_dtype(k), device=device)
+    return k, k.clone(), sums, torch.zeros(B, dtype=torch.int32, device=device)
+
+
+def _rebuilt_sums(k_ref, seqlens, T, C, g):
+    """Sums of the T_max-geometry pyramid over each sequence's valid keys (zero keys past it)."""
+    real = torch.arange(T)[None, :] < seqlens[:, None].cpu()
+    keys = torch.where(real[..., None, None], k_ref.cpu(), 0.0)
+    pyr = build_pyramid_torch(keys, C, g)
+    return pyr.means * pyr.counts[None, :, None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("C,g", [(8, 2), (4, 3)])
+def test_sums_equal_rebuilt_pyramid_after_random_appends(dtype, C, g, rng):
+    B, T, H, D = 3, 203, 2, 8
+    k_cache, v_cache, sums, lens = _empty_cache(B, T, H, D, C, g, dtype)
+    k_ref = torch.randn(B, T, H, D).to(dtype)
+    v_ref = torch.randn(B, T, H, D).to(dtype)
+    while int(lens.max()) < T - 1:
+        # grow the whole batch, or one sequence through views of its rows: lengths diverge
+        rows = slice(None) if torch.rand(()) < 0.4 else int(torch.randint(B, ()))
+        rows = rows if isinstance(rows, slice) else slice(rows, rows + 1)
+        room = T - int(lens[rows].max())
+        L = int(torch.randint(0, min(room, 40) + 1, ()))
+        s = lens[rows].long()[:, None] + torch.arange(L)
+        b = torch.arange(B)[rows][:, None]
+        append_kv(k_cache[rows], v_cache[rows], sums[rows], k_ref[b, s.clamp(max=T - 1)],
+                  v_ref[b, s.clamp(max=T - 1)], lens[rows], C, g)
+        lens[rows] += L
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sums, _rebuilt_sums(k_ref.to(sums.dtype), lens, T, C, g), **tol)
+    for b in range(B):
+        n = int(lens[b])
+        assert torch.equal(k_cache[b, :n], k_ref[b, :n]) and torch.equal(v_cache[b, :n],
+                                                                          v_ref[b, :n])
+        assert k_cache[b, n:].isnan().all(), "nothing written past the sequence"
+        got = pyramid_from_sums(sums[b:b + 1], n, C, g)
+        want = build_pyramid_torch(k_ref[b:b + 1, :n].to(sums.dtype), C, g)
+        assert got.offsets == want.offsets and torch.equal(got.counts, want.counts)
+        torch.testing.assert_close(got.means, want.means, **tol)
+
+
+@pytest.mark.parametrize("seqlen", [1, 7, 8, 9, 64, 100])
+def test_pyramid_from_sums_geometry(seqlen, rng):
+    C, g, T = 8, 2, 100
+    k_cache, v_cache, sums, lens = _empty_cache(1, T, 1, 4, C, g)
+    k = torch.randn(1, seqlen, 1, 4, dtype=torch.float64)
+    append_kv(k_cache, v_cache, sums, k, k, lens, C, g)
+    got = pyramid_from_sums(sums, seqlen, C, g)
+    want = build_pyramid_torch(k, C, g)
+    assert got.offsets == want.offsets and got.counts.dtype == torch.int32
+    assert torch.equal(got.counts, want.counts)
+    torch.testing.assert_close(got.means, want.means, rtol=1e-12, atol=1e-12)
+
+
+def test_zero_length_append_changes_nothing(rng):
+    k_cache, v_cache, sums, lens = _empty_cache(2, 50, 2, 4, 8, 2)
+    x = torch.randn(2, 5, 2, 4, dtype=torch.float64)
+    append_kv(k_cache, v_cache, sums, x, x, lens, 8, 2)
+    before = sums.clone(), k_cache.clone()
+    append_kv(k_cache, v_cache, sums, x[:, :0], x[:, :0], lens, 8, 2)
+    assert torch.equal(sums, before[0])
+    assert torch.equal(k_cache.nan_to_num(), before[1].nan_to_num())
+
+
+def _bad(**over):
+    k_cache, v_cache, sums, lens = _empty_cache(2, 40, 2, 4, 8, 2)
+    args = dict(k_cache=k_cache, v_cache=v_cache, sums=sums,
+                k_new=torch.randn(2, 3, 2, 4, dtype=torch.float64),
+                v_new=torch.randn(2, 3, 2, 4, dtype=torch.float64), cache_seqlens=lens,
+                block_size=8, branching=2)
+    args.update(over)
+    return args
+
+
+BAD = [
+    (dict(sums=torch.zeros(2, 5, 2, 4, dtype=torch.float64)), ValueError, "sums must be"),
+    (dict(sums=torch.zeros(2, 9, 2, 4, dtype=torch.float32)), ValueError, "sums must be"),
+    (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), ValueError, "cache_seqlens must be"),
+    (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_seqlens must be"),
+    (dict(cache_seqlens=torch.full((2,), 38, dtype=torch.int32)), ValueError, "exceed"),
+    (dict(v_cache=torch.zeros(2, 40, 2, 4)), ValueError, "v_cache"),
+    (dict(k_cache=torch.zeros(2, 40, 2)), ValueError, "k_cache must be"),
+    (dict(k_new=torch.randn(2, 3, 1, 4, dtype=torch.float64)), ValueError, "k_new must have"),
+    (dict(v_new=torch.randn(2, 4, 2, 4, dtype=torch.float64)), ValueError, "v_new shape"),
+    (dict(k_new=torch.randn(2, 3, 2, 4)), TypeError, "k_new must be torch.float64"),
+    (dict(k_new=None), TypeError, "k_new must be a torch.Tensor"),
+    (dict(block_size=6), ValueError, "block_size"),
+    (dict(branching=1), ValueError, "branching"),
+]
+
+
+@pytest.mark.parametrize("over,exc,msg", BAD, ids=lambda x: str(x)[:40])
+def test_append_kv_rejects_bad_input(over, exc, msg):
+    with pytest.raises(exc, match=msg):
+        append_kv(**_bad(**over))
+
+
+def test_pyramid_from_sums_rejects_bad_input():
+    # 40 keys, C = 8: 5 + 3 + 2 + 1 = 11 nodes; no leaf count gives 9
+    with pytest.raises(ValueError, match="seqlen must be"):
+        pyramid_from_sums(torch.zeros(1, 11, 1, 4), 41, 8, 2)
+    with pytest.raises(ValueError, match="seqlen must be"):
+        pyramid_from_sums(torch.zeros(1, 11, 1, 4), 0, 8, 2)
+    with pytest.raises(ValueError, match="no pyramid"):
+        pyramid_from_sums(torch.zeros(1, 9, 1, 4), 8, 8, 2)
+    with pytest.raises(ValueError, match="sums must be"):
+        pyramid_from_sums(torch.zeros(11, 1, 4), 8, 8, 2)
+
+
+def test_check_cache_returns_offsets():
+    k_cache, v_cache, sums, lens = _empty_cache(1, 40, 1, 4, 8, 2)
+    assert check_cache(k_cache, v_cache, sums, lens, 8, 2) == level_offsets(40, 8, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_append_is_captured_by_a_cuda_graph(rng):
+    """Appending one token per sequence replays from a CUDA graph (no host sync inside)."""
+    B, T, H, D, C, g = 3, 300, 2, 64, 16, 2
+    k_cache, v_cache, sums, lens = _empty_cache(B, T, H, D, C, g, torch.bfloat16, "cuda")
+    start = torch.tensor([0, 17, 150], dtype=torch.int32)
+    k_ref = torch.randn(B, T, H, D, dtype=torch.bfloat16, device="cuda")
+    for b in range(B):  # mixed starting lengths
+        s = int(start[b])
+        append_kv(k_cache[b:b + 1], v_cache[b:b + 1], sums[b:b + 1], k_ref[b:b + 1, :s],
+                  k_ref[b:b + 1, :s], lens[b:b + 1], C, g)
+    lens.copy_(start)
+    k_new = torch.empty(B, 1, H, D, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        append_kv(k_cache, v_cache, sums, k_new, k_new, lens, C, g)
+        lens.add_(1)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside the capture, then undo its effect
+        k_new.zero_()
+        step()
+        lens.sub_(1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(100):
+        k_new.copy_(k_ref[torch.arange(B, device="cuda"), lens.long()][:, None])
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(lens.cpu(), start + 100)
+    torch.testing.assert_close(sums.cpu().double(),
+                               _rebuilt_sums(k_ref.double(), lens.cpu(), T, C, g),
+                               rtol=1e-5, atol=1e-4)
