@@ -13,6 +13,9 @@ from .ops.kvcache import append_kv, check_cache
 from .ops.select import select
 from .ops.utils import BACKENDS, check_block_idx, check_qk, resolve_config
 
+# resolved once at import: torch.compile cannot trace importlib inside pisa_attn
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
 _SELECT_DOC = """
     block_size: int. Keys per leaf block ``C`` (power of two in [4, 256]; Triton needs >= 16).
         Default 64.
@@ -41,8 +44,7 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        has_triton = importlib.util.find_spec("triton") is not None
-        return "triton" if q.is_cuda and has_triton else "torch"
+        return "triton" if q.is_cuda and _HAS_TRITON else "torch"
     return backend
 
 

@@ -18,10 +18,10 @@ def _filled_cache(k, v, seqlens, T, C, g):
     """A cache of capacity ``T`` holding ``k, v [B, >= max(seqlens), H, D]`` up to each sequence's
     length; slots past the lengths hold NaN (never read)."""
     B, _, H, D = k.shape
-    k_cache = torch.full((B, T, H, D), math.nan, dtype=k.dtype)
+    k_cache = torch.full((B, T, H, D), math.nan, dtype=k.dtype, device=k.device)
     v_cache = k_cache.clone()
-    sums = torch.zeros(B, level_offsets(T, C, g)[-1], H, D, dtype=compute_dtype(k))
-    lens = torch.zeros(B, dtype=torch.int32)
+    sums = torch.zeros(B, level_offsets(T, C, g)[-1], H, D, dtype=compute_dtype(k), device=k.device)
+    lens = torch.zeros(B, dtype=torch.int32, device=k.device)
     for b, n in enumerate(seqlens):
         rows = slice(b, b + 1)
         append_kv(k_cache[rows], v_cache[rows], sums[rows], k[rows, :n], v[rows, :n], lens[rows],
@@ -102,17 +102,18 @@ def test_prefill_with_cache_equals_naive_oracle(backend, rng):
 
 
 def test_prefill_with_cache_triton_interpreter(rng):
-    """The sums pyramid feeds the Triton selection (fp32, interpreter on CPU)."""
+    """The sums pyramid feeds the Triton selection (fp32; the interpreter on CPU, CUDA on a GPU)."""
     pytest.importorskip("triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     B, T, H, G, D, L = 2, 200, 1, 2, 16, 3
     cfg = SelectConfig(16, 4, 2, 2, "lse", "pyramid", True, D ** -0.5)
     q = torch.randn(B, L, H * G, D)
     k, v = torch.randn(2, B, T, H, D)
     seqlens = [90, 200]  # 13 leaves, 5 levels: the walk prunes
-    cache = _filled_cache(k, v, seqlens, T, cfg.block_size, cfg.branching)
-    o, _ = prefill_with_cache(q, *cache[:3], seqlens, cfg, "triton")
+    cache = _filled_cache(k.to(dev), v.to(dev), seqlens, T, cfg.block_size, cfg.branching)
+    o, _ = prefill_with_cache(q.to(dev), *cache[:3], seqlens, cfg, "triton")
     want, _ = _oracle_rows(q, k, v, seqlens, cfg)
-    torch.testing.assert_close(o, want.float(), rtol=2e-4, atol=2e-4, msg=f"seed {rng}")
+    torch.testing.assert_close(o.cpu(), want.float(), rtol=2e-4, atol=2e-4, msg=f"seed {rng}")
 
 
 def _decode_args():
