@@ -1,0 +1,248 @@
+"""Render ``quality_trained.json`` (benchmarks/quality_train.py) as ``docs/quality_trained.md``
+(mean +- std over seeds per task, arm, schedule and test length; LM loss against dense; where PISA
+loses) and ``docs/quality_trained.png`` (skipped when matplotlib is missing).
+
+    python benchmarks/quality_tables.py benchmarks/results/quality_trained.json \\
+        --md docs/quality_trained.md --png docs/quality_trained.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from tables import header
+
+RETRIEVAL = ("needle_single", "needle_multi", "assoc_recall", "var_track")
+HARD = ("aggregate",)
+
+
+def _config_key(c):
+    arm, K, schedule = c
+    return (("dense", "pisa", "flat_mean", "flat_lse").index(arm), K or 0, schedule)
+
+
+def _label(c) -> str:
+    arm, K, schedule = c
+    return arm + (f" K={K}" if K else "") + (" (dense warm-up)" if schedule == "warmup" else "")
+
+
+class Results:
+    """Values grouped by (task, config, test_T), config = (arm, K, schedule)."""
+
+    def __init__(self, result: dict):
+        self.meta, self.rows = result["meta"], result["rows"]
+        self.cells: dict[tuple, list[float]] = {}
+        for r in self.rows:
+            key = (r["task"], (r["arm"], r["K"], r["schedule"]), r["test_T"])
+            self.cells.setdefault(key, []).append(r["value"])
+        self.tasks = sorted({k[0] for k in self.cells}, key=lambda t: (
+            t.startswith("lm"), (RETRIEVAL + HARD + (t,)).index(t), t))
+        self.configs = sorted({k[1] for k in self.cells}, key=_config_key)
+        self.lengths = sorted({k[2] for k in self.cells})
+
+    def stats(self, task, config, T):
+        v = self.cells.get((task, config, T))
+        if not v:
+            return None
+        return statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)
+
+    def mean(self, task, config, T):
+        s = self.stats(task, config, T)
+        return None if s is None else s[0]
+
+    def partner(self, arm: str, K, schedule: str):
+        """The config of ``arm`` to compare with: same schedule when trained, else "sparse"."""
+        for c in ((arm, K, schedule), (arm, K, "sparse")):
+            if c in self.configs:
+                return c
+        return None
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _cell(s, fmt=".3f") -> str:
+    if s is None:
+        return "-"
+    m, sd, n = s
+    return f"{m:{fmt}} ± {sd:{fmt}}" + ("" if n == 3 else f" (n={n})")
+
+
+def task_table(res: Results, task: str) -> str:
+    head = "| arm | " + " | ".join(f"T={T}" for T in res.lengths) + " |"
+    lines = [head, "|---|" + "---|" * len(res.lengths)]
+    for c in res.configs:
+        cells = [_cell(res.stats(task, c, T)) for T in res.lengths]
+        if any(x != "-" for x in cells):
+            lines.append(f"| {_label(c)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def lm_table(res: Results, task: str) -> str:
+    dense = ("dense", None, "sparse")
+    head = "| arm | " + " | ".join(f"T={T} | vs dense" for T in res.lengths) + " |"
+    lines = [head, "|---|" + "---|---|" * len(res.lengths)]
+    for c in res.configs:
+        cells = []
+        for T in res.lengths:
+            s, d = res.stats(task, c, T), res.mean(task, dense, T)
+            cells.append(_cell(s, ".4f"))
+            cells.append("-" if s is None or d is None else f"{100 * (s[0] / d - 1):+.2f}%")
+        lines.append(f"| {_label(c)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def where_pisa_loses(res: Results) -> list[str]:
+    """Every (task, length, schedule) where a PISA config is worse than a flat selector at the
+    same K or than dense, with the gap and the seed spreads."""
+    out = []
+    for c in res.configs:
+        arm, K, schedule = c
+        if arm != "pisa":
+            continue
+        for other_arm in ("flat_mean", "flat_lse", "dense"):
+            other = res.partner(other_arm, None if other_arm == "dense" else K, schedule)
+            if other is None:
+                continue
+            for task in res.tasks:
+                sign = -1 if task.startswith("lm") else 1  # loss: lower is better
+                for T in res.lengths:
+                    a, b = res.stats(task, c, T), res.stats(task, other, T)
+                    if a is None or b is None or sign * (a[0] - b[0]) >= 0:
+                        continue
+                    gap = abs(a[0] - b[0])
+                    beyond = "beyond" if gap > a[1] + b[1] else "within"
+                    out.append(f"- {task} T={T}: {_label(c)} {a[0]:.4g} vs {_label(other)} "
+                               f"{b[0]:.4g} (gap {gap:.3g}, {beyond} the summed seed std "
+                               f"{a[1] + b[1]:.3g})")
+    return out
+
+
+def checks(res: Results) -> list[str]:
+    """The issue's acceptance criteria, evaluated on the means over seeds."""
+    out = []
+    train_T = res.meta.get("config", {}).get("train_T")
+    for c in res.configs:
+        arm, K, schedule = c
+        if arm != "pisa":
+            continue
+        fm = res.partner("flat_mean", K, schedule)
+        longer = [T for T in res.lengths if T > (train_T or 0)]
+        if fm is not None and longer:
+            bad = [f"{t}@{T}" for t in RETRIEVAL for T in longer
+                   if None not in (res.mean(t, c, T), res.mean(t, fm, T))
+                   and res.mean(t, c, T) < res.mean(t, fm, T)]
+            out.append(f"- {_label(c)} ≥ {_label(fm)} on every retrieval task beyond the training "
+                       f"length: {'PASS' if not bad else 'FAIL (' + ', '.join(bad) + ')'}")
+        d, p = res.mean("lm", ("dense", None, "sparse"), train_T), res.mean("lm", c, train_T)
+        if d is not None and p is not None:
+            gap = 100 * (p / d - 1)
+            out.append(f"- {_label(c)} validation LM loss at T={train_T} within 1% of dense: "
+                       f"{gap:+.2f}% {'PASS' if gap <= 1 else 'FAIL'}")
+    return out
+
+
+def runs_table(meta: dict) -> str:
+    lines = ["| run | lr | steps | target | s/step (calibration) | train s | eval s | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    paces = (meta.get("calibration") or {}).get("sec_per_step", {})
+    for r in meta.get("runs", []):
+        pace = paces.get(r["name"])
+        lines.append(f"| {r['name']} | {r['lr']:g} | {r.get('steps')} | {r.get('target_steps')} "
+                     f"| {'-' if pace is None else f'{pace:.3f}'} | {r.get('train_seconds')} "
+                     f"| {r.get('eval_seconds')} | {r.get('status')} |")
+    return "\n".join(lines)
+
+
+def sweep_table(meta: dict) -> str:
+    lines = ["| lr | steps | LM loss (train T) | mean task accuracy (train T) |",
+             "|---|---|---|---|"]
+    for s in meta.get("lr_sweep", []):
+        lines.append(f"| {s['lr']:g} | {s['steps']} | {_num(s['lm_loss'])} | "
+                     f"{_num(s['mean_task_accuracy'])} |")
+    return "\n".join(lines)
+
+
+def markdown(res: Results, png: str | None) -> str:
+    cfg = res.meta.get("config", {})
+    parts = ["# Trained-model quality: dense vs PISA vs flat selectors", "", header(res.meta),
+             "Small GPTs (`pisa/eval/gpt.py`) trained at T = "
+             f"{cfg.get('train_T')} on language modelling plus the synthetic tasks of "
+             "`pisa/eval/tasks.py`, one model per run, evaluated at every length below. "
+             "Protocol: `benchmarks/quality_train.py` (docstring). Cells: mean ± std over seeds "
+             "(sample std; n = 3 unless shown). Accuracy = exact match per question; loss = "
+             "next-byte cross-entropy (nats) on held-out code "
+             f"({', '.join(res.meta.get('corpus', {}).get('val_packages', []))}).", "",
+             f"Model: width {cfg.get('width')}, {cfg.get('depth')} layers, {cfg.get('heads')} "
+             f"query / {cfg.get('kv_heads')} KV heads, MLP {cfg.get('mlp')}; batch "
+             f"{cfg.get('batch')} rows; lr {cfg.get('lr')}; C = {cfg.get('block_size')}, "
+             "W = K.", ""]
+    if png:
+        parts += [f"![quality]({Path(png).name})", ""]
+    parts += ["## Acceptance checks", ""] + (checks(res) or ["- (no pisa rows)"]) + [""]
+    for task in res.tasks:
+        parts += [f"## {task}", ""]
+        parts += [lm_table(res, task) if task.startswith("lm") else task_table(res, task), ""]
+    losses = where_pisa_loses(res)
+    parts += ["## Where PISA loses", "",
+              "Every cell where a PISA arm's mean is worse than flat_mean / flat_lse at the same "
+              "K (same schedule where trained) or than dense:", ""]
+    parts += (losses or ["- nowhere"]) + [""]
+    parts += ["## Learning rate (dense only)", "", sweep_table(res.meta), "",
+              "## Runs", "", runs_table(res.meta), ""]
+    return "\n".join(parts)
+
+
+def plot(res: Results, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    n = len(res.tasks)
+    cols = min(4, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, task in zip(axes.flat, res.tasks):
+        for c in res.configs:
+            pts = [(T, res.stats(task, c, T)) for T in res.lengths]
+            pts = [(T, s) for T, s in pts if s is not None]
+            if pts:
+                ax.errorbar([T for T, _ in pts], [s[0] for _, s in pts],
+                            yerr=[s[1] for _, s in pts], label=_label(c), capsize=3,
+                            linestyle="--" if c[2] == "warmup" else "-", marker="o", ms=3)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(res.lengths, [f"{T // 1024}K" for T in res.lengths])
+        ax.set_title(task)
+        ax.set_ylabel("loss (nats)" if task.startswith("lm") else "accuracy")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.suptitle(f"trained at T={res.meta.get('config', {}).get('train_T')}; mean ± std over "
+                 "seeds vs test length")
+    fig.tight_layout(rect=(0, 0.08, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("json", nargs="?", default="benchmarks/results/quality_trained.json")
+    ap.add_argument("--md", default="docs/quality_trained.md")
+    ap.add_argument("--png", default="docs/quality_trained.png")
+    args = ap.parse_args(argv)
+    res = Results(json.loads(Path(args.json).read_text()))
+    png = args.png if args.png and plot(res, args.png) else None
+    Path(args.md).write_text(markdown(res, png))
+    print(f"wrote {args.md}" + (f" and {png}" if png else ""))
+
+
+if __name__ == "__main__":
+    main()

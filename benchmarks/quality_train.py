@@ -1,0 +1,619 @@
+"""Trained-model quality: small GPTs with dense, PISA and flat-selector attention, trained at 4K on
+a mix of synthetic long-context tasks and byte-level code, tested at 4K, 8K and 16K.
+
+One process trains and evaluates one run (arm, K, seed, schedule); ``--launch`` starts every run
+of the suite as parallel processes on one GPU and merges their results:
+
+    PYTHONPATH=. python benchmarks/quality_train.py --launch --out $OUT --time-budget 500
+
+writes ``$OUT/quality_trained.json`` (``{"meta", "rows": [{"task", "arm", "K", "seed", "train_T",
+"test_T", "metric", "value", "steps", "schedule"}]}``) and ``$OUT/quality_logs.tar.gz`` (every
+run's log with its loss curve, every run's record, the launcher's log).
+
+Protocol
+- Model (``pisa.eval.gpt``): 4 layers, width 256, 4 query / 2 KV heads of 64, SwiGLU 768, byte
+  vocabulary + task markers, tied embeddings, RoPE; bf16 autocast, AdamW (0.9, 0.95, wd 0.1 on
+  matrices), linear warm-up then cosine to 10%, grad clip 1.
+- Batch: ``--batch`` rows of ``--train-T`` tokens, split evenly over language modelling and the
+  five tasks of ``pisa.eval.tasks`` (one model per run serves every task). Loss: the mean over
+  the six of each one's mean cross-entropy (LM: every next byte; tasks: answer tokens only).
+- Arms: dense; pisa at K = 8 and 16; flat_mean and flat_lse at K = 16 (C = 64, W = K). Schedules:
+  "sparse" (sparse from step 0) and "warmup" (dense for the first ``--warmup-frac`` of the steps,
+  then sparse). Dense rows carry schedule "sparse" (dense attention from step 0). Seeds 0, 1, 2:
+  the seed sets the initialisation and the training data stream, so arms of one seed see the
+  same batches; the evaluation data are the same for every run.
+- Same steps for every run: each run compiles its kernels, waits for all others, times a few
+  steps under full contention, and the launcher sets one step count for all from those paces and
+  the time left (``plan_steps``; ``--steps`` fixes it instead). ``--time-budget`` is a hard wall:
+  training stops at its deadline (the steps reached are recorded), evaluation at its own, and the
+  launcher terminates what still runs before the budget ends.
+- Learning rate: tuned on dense only: the ``--sweep`` multipliers of ``--lr`` run as extra dense
+  seed-0 runs; ``meta.lr_sweep`` compares them with the main dense seed-0 run.
+- Evaluation at every ``--test-T``: per task ``--eval-examples`` rows (exact match per question,
+  teacher-forced argmax over the answer tokens -> metric "accuracy"), and language-modelling loss
+  on ``--lm-windows`` held-out windows (``pisa.eval.tasks.ByteCorpus``: train on torch's sources,
+  validate on triton's), overall (task "lm") and on tokens at positions >= ``--lm-past`` (task
+  "lm_past2048") -> metric "loss".
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pisa.bench import meta
+from pisa.eval.gpt import GPT, GPTConfig
+from pisa.eval.tasks import TASKS, ByteCorpus, lm_eval_windows, lm_windows, make_task
+
+TRAIN_TASKS = ("lm",) + tuple(TASKS)
+SCHEDULES = ("sparse", "warmup")
+CALIB_FROM, CALIB_TO = 3, 10  # steps timed (under full contention) to set the step count
+SAFETY = 0.75  # fraction of the time left that the planned steps fill (evaluation of early
+#                finishers shares the GPU too)
+CALIB_WAIT = 60.0  # seconds the launcher waits for the paces once the runs are released
+
+
+# ------------------------------------------------------------------------------------------------
+# One run
+# ------------------------------------------------------------------------------------------------
+
+def train_batch(rows: int, T: int, gen: torch.Generator, train_data: torch.Tensor):
+    """``tokens [rows, T]``, loss ``weights [rows, T - 1]`` (each of the six parts sums to 1/6)
+    and each row's part index ``[rows]``."""
+    per = rows // len(TRAIN_TASKS)
+    lm = lm_windows(train_data, per, T, gen)
+    tasks = [make_task(name, per, T, gen) for name in TASKS]
+    tokens = torch.cat([lm] + [b.tokens for b in tasks])
+    mask = torch.cat([torch.ones_like(lm[:, 1:], dtype=torch.float32)]
+                     + [b.answer[:, 1:].float() for b in tasks])
+    part = torch.arange(len(TRAIN_TASKS), device=lm.device).repeat_interleave(per)
+    per_part = torch.zeros(len(TRAIN_TASKS), device=lm.device).index_add_(0, part, mask.sum(1))
+    weights = mask / (per_part[part, None] * len(TRAIN_TASKS))
+    return tokens, weights, part
+
+
+def lr_at(step: int, steps: int | None, args) -> float:
+    warm = args.lr_warmup if steps is None else min(args.lr_warmup, max(1, steps // 5))
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    if steps is None:
+        return args.lr
+    p = min(1.0, (step - warm) / max(1, steps - warm))
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def _wait_for(path: Path, deadline: float) -> bool:
+    while not path.exists():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _write_atomic(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _autocast(device: str):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _model(args) -> GPT:
+    return GPT(GPTConfig(width=args.width, depth=args.depth, heads=args.heads,
+                         kv_heads=args.kv_heads, mlp_hidden=args.mlp, arm=args.arm,
+                         topk=args.topk, block_size=args.block_size, backend=args.backend))
+
+
+def _optimizer(model: GPT, args) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
+                              {"params": rest, "weight_decay": 0.0}], lr=args.lr,
+                             betas=(0.9, 0.95), fused=args.device.startswith("cuda"))
+
+
+def _loss(model: GPT, tokens, weights, device):
+    with _autocast(device):
+        logits = model(tokens)
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(),
+                         reduction="none").view_as(weights)
+    return ce * weights
+
+
+def train(model: GPT, args, train_data: torch.Tensor, record: dict, log) -> None:
+    """Train until ``args.steps`` (or the step count the launcher sets) or the train deadline."""
+    dev = args.device
+    opt = _optimizer(model, args)
+    params = list(model.parameters())
+    gen = torch.Generator(dev).manual_seed(1000 + args.seed)
+    sync_dir = Path(args.sync) if args.sync else None
+    if sync_dir:  # compile every kernel of the sparse phase, then wait for every other run
+        tokens, weights, _ = train_batch(args.batch, args.train_T,
+                                         torch.Generator(dev).manual_seed(1), train_data)
+        model.set_sparse(True)
+        _loss(model, tokens, weights, dev).sum().backward()
+        opt.zero_grad(set_to_none=True)
+        _sync(dev)
+        (sync_dir / f"{args.run}.ready").touch()
+        _wait_for(sync_dir / "go", args.train_deadline)
+    steps = args.steps
+    switch = 0 if args.schedule == "sparse" else None
+    if steps is not None and switch is None:
+        switch = round(args.warmup_frac * steps)
+    acc = torch.zeros(len(TRAIN_TASKS), device=dev)
+    n_acc, t_start, t_calib = 0, time.time(), None
+    model.train()
+    for step in itertools.count():
+        if steps is not None and step >= steps or time.time() > args.train_deadline:
+            break
+        if sync_dir and steps is None and step in (CALIB_FROM, CALIB_TO):
+            _sync(dev)
+            if step == CALIB_FROM:
+                t_calib = time.time()
+            else:
+                pace = (time.time() - t_calib) / (CALIB_TO - CALIB_FROM)
+                record["sec_per_step"] = pace
+                _write_atomic(sync_dir / f"{args.run}.calib", {"sec_per_step": pace})
+                if _wait_for(sync_dir / "steps", args.train_deadline):
+                    steps = json.loads((sync_dir / "steps").read_text())["steps"]
+                    record["target_steps"] = steps
+                    if switch is None:
+                        switch = round(args.warmup_frac * steps)
+        model.set_sparse(switch is not None and step >= switch)
+        lr = lr_at(step, steps, args)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tokens, weights, part = train_batch(args.batch, args.train_T, gen, train_data)
+        per_token = _loss(model, tokens, weights, dev)
+        per_token.sum().backward()
+        torch.nn.utils.clip_grad_norm_(params, args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        acc.index_add_(0, part, per_token.detach().sum(1) * len(TRAIN_TASKS))
+        n_acc += 1
+        if (step + 1) % args.log_every == 0:
+            parts = (acc / n_acc).tolist()  # the only host sync of the loop
+            acc.zero_()
+            n_acc = 0
+            point = {"step": step + 1, "sec": round(time.time() - t_start, 2), "lr": lr,
+                     "loss": sum(parts) / len(parts),
+                     **{name: round(v, 5) for name, v in zip(TRAIN_TASKS, parts)}}
+            record["curve"].append(point)
+            print(json.dumps(point), file=log, flush=True)
+        record["steps"] = step + 1
+    _sync(dev)
+    model.set_sparse(True)
+    record["train_seconds"] = round(time.time() - t_start, 2)
+
+
+def _eval_seed(task: str, T: int) -> int:
+    return 1_000_003 * (TRAIN_TASKS.index(task) + 1) + T
+
+
+@torch.no_grad()
+def task_accuracy(model: GPT, task: str, T: int, args) -> float:
+    """Exact match per question over ``args.eval_examples`` rows (the same for every run)."""
+    gen = torch.Generator(args.device).manual_seed(_eval_seed(task, T))
+    b = make_task(task, args.eval_examples, T, gen)
+    wrong = torch.zeros(args.eval_examples, b.n_spans, dtype=torch.long, device=args.device)
+    chunk = max(1, args.eval_tokens // T)
+    for s in range(0, args.eval_examples, chunk):
+        tokens = b.tokens[s:s + chunk]
+        with _autocast(args.device):
+            pred = model(tokens)[:, :-1].argmax(-1)
+        miss = (pred != tokens[:, 1:]) & b.answer[s:s + chunk, 1:]
+        wrong[s:s + chunk].scatter_add_(1, b.span[s:s + chunk, 1:].clamp_min(0), miss.long())
+    return float((wrong == 0).float().mean())
+
+
+@torch.no_grad()
+def lm_loss(model: GPT, val_data: torch.Tensor, T: int, args) -> tuple[float, float]:
+    """Mean next-byte loss on held-out windows: over all positions, and over targets at
+    positions >= ``args.lm_past``."""
+    windows = lm_eval_windows(val_data, args.lm_windows, T)
+    late = torch.arange(1, T, device=args.device) >= args.lm_past
+    total = torch.zeros(2, device=args.device)
+    chunk = max(1, args.eval_tokens // T)
+    for s in range(0, len(windows), chunk):
+        tokens = windows[s:s + chunk]
+        with _autocast(args.device):
+            logits = model(tokens)[:, :-1]
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(),
+                             reduction="none").view(len(tokens), T - 1)
+        total += torch.stack([ce.sum(), ce[:, late].sum()])
+    n_late = int(late.sum()) * len(windows)
+    overall, past = (total / torch.tensor([(T - 1) * len(windows), max(n_late, 1)],
+                                          device=args.device)).tolist()
+    return overall, past if n_late else float("nan")
+
+
+def evaluate(model: GPT, args, val_data: torch.Tensor, record: dict, out: Path, log) -> None:
+    model.eval()
+    base = {"arm": args.arm, "K": None if args.arm == "dense" else args.topk, "seed": args.seed,
+            "train_T": args.train_T, "schedule": args.schedule}
+    t0 = time.time()
+    for T in sorted(args.test_T):
+        for task in TASKS:
+            if time.time() > args.eval_deadline:
+                record["status"] = "eval cut by the deadline"
+                return
+            acc = task_accuracy(model, task, T, args)
+            record["rows"].append({"task": task, **base, "test_T": T, "metric": "accuracy",
+                                   "value": acc, "steps": record["steps"]})
+        if time.time() > args.eval_deadline:
+            record["status"] = "eval cut by the deadline"
+            return
+        overall, past = lm_loss(model, val_data, T, args)
+        for task, v in (("lm", overall), (f"lm_past{args.lm_past}", past)):
+            if not math.isnan(v):
+                record["rows"].append({"task": task, **base, "test_T": T, "metric": "loss",
+                                       "value": v, "steps": record["steps"]})
+        record["eval_seconds"] = round(time.time() - t0, 2)
+        print(f"# eval T={T} done at {record['eval_seconds']}s", file=log, flush=True)
+        _write_atomic(out / f"{args.run}.json", record)
+    record["status"] = "done"
+
+
+def run_one(args) -> dict:
+    """Train and evaluate one run; writes ``<out>/<run>.json`` and returns the record."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = sys.stdout
+    torch.manual_seed(args.seed)
+    corpus = ByteCorpus.load(args.corpus) if args.corpus else \
+        ByteCorpus.from_site_packages(args.site)
+    train_data, val_data = corpus.train.to(args.device), corpus.val.to(args.device)
+    model = _model(args).to(args.device)
+    record = {"run": args.run, "arm": args.arm, "K": None if args.arm == "dense" else args.topk,
+              "seed": args.seed, "schedule": args.schedule, "lr": args.lr,
+              "params": model.num_params(), "steps": 0, "target_steps": args.steps,
+              "curve": [], "rows": [], "status": "training"}
+    print(f"# {args.run}: {record['params']} parameters, device {args.device}", file=log,
+          flush=True)
+    train(model, args, train_data, record, log)
+    record["status"] = "trained"
+    _write_atomic(out / f"{args.run}.json", record)
+    evaluate(model, args, val_data, record, out, log)
+    _write_atomic(out / f"{args.run}.json", record)
+    return record
+
+
+# ------------------------------------------------------------------------------------------------
+# The suite: every run as a process on one device
+# ------------------------------------------------------------------------------------------------
+
+def _arm_spec(spec: str) -> tuple[str, int | None]:
+    arm, _, k = spec.partition(":")
+    if arm == "dense":
+        return arm, None
+    if arm not in ("pisa", "flat_mean", "flat_lse") or not k.isdigit():
+        raise ValueError(f"arm spec must be 'dense' or '<pisa|flat_mean|flat_lse>:<K>', got "
+                         f"{spec!r}")
+    return arm, int(k)
+
+
+def plan(args) -> list[dict]:
+    """The runs: every ``--arms`` x ``--seeds`` (schedule "sparse"), every ``--warmup-arms`` x
+    ``--seeds`` (schedule "warmup"), and the dense learning-rate sweep (seed 0)."""
+    runs = []
+    for schedule, specs in (("sparse", args.arms), ("warmup", args.warmup_arms)):
+        for spec, seed in itertools.product(specs, args.seeds):
+            arm, k = _arm_spec(spec)
+            if arm == "dense" and schedule == "warmup":
+                raise ValueError("--warmup-arms: the dense arm has no warm-up schedule")
+            runs.append({"name": f"{arm}{k or ''}_{schedule}_s{seed}", "arm": arm, "K": k,
+                         "seed": seed, "schedule": schedule, "lr": args.lr, "sweep": False})
+    for mult in args.sweep:
+        lr = args.lr * mult
+        runs.append({"name": f"dense_lr{lr:g}_s0", "arm": "dense", "K": None, "seed": 0,
+                     "schedule": "sparse", "lr": lr, "sweep": True})
+    return runs
+
+
+SHARED = ("train_T", "batch", "width", "depth", "heads", "kv_heads", "mlp", "block_size",
+          "backend", "warmup_frac", "lr_warmup", "min_lr_frac", "wd", "clip", "eval_examples",
+          "lm_windows", "lm_past", "eval_tokens", "log_every", "device", "threads")
+
+
+def _child_argv(args, run: dict, work: Path, corpus: Path, deadlines) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--run", run["name"],
+            "--arm", run["arm"], "--topk", str(run["K"] or args.topk), "--seed", str(run["seed"]),
+            "--schedule", run["schedule"], "--lr", repr(run["lr"]), "--out", str(work),
+            "--corpus", str(corpus), "--train-deadline", repr(deadlines[0]),
+            "--eval-deadline", repr(deadlines[1]), "--test-T", *map(str, args.test_T)]
+    for name in SHARED:
+        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.steps is not None:
+        argv += ["--steps", str(args.steps)]
+    else:
+        argv += ["--sync", str(work / "sync")]
+    return argv
+
+
+def _say(msg: str, log) -> None:
+    for stream in (sys.stdout, log):
+        print(msg, file=stream, flush=True)
+
+
+def _alive(procs: dict) -> dict:
+    return {name: p for name, p in procs.items() if p.poll() is None}
+
+
+def _barrier(procs: dict, sync: Path, suffix: str, deadline: float) -> list[str]:
+    """Wait until every live run has written ``<run><suffix>`` (or the deadline); the names."""
+    while time.time() < deadline:
+        if all((sync / f"{n}{suffix}").exists() for n in _alive(procs)):
+            break
+        time.sleep(0.2)
+    return [n for n in procs if (sync / f"{n}{suffix}").exists()]
+
+
+def plan_steps(runs: list[dict], paces: dict, warmup_frac: float, seconds: float) -> int:
+    """Optimizer steps every run can make in ``seconds``.
+
+    ``paces`` are seconds per step measured with all runs training at once. The GPU time-slices
+    between processes with work, so with ``n`` runs each gets ``1/n`` of it and a run's own GPU
+    cost is ``pace / n`` per step; runs that finish early free their share, so all end when the
+    total work ``steps * sum(cost)`` is done. A warm-up run timed its dense phase: its sparse
+    steps cost what its sparse-schedule twin's do (the costliest run's where none was timed).
+    Runs that did not report count at the costliest pace."""
+    cost = {n: v / len(paces) for n, v in paces.items()}
+    worst = max(cost.values())
+    total = 0.0
+    for run in runs:
+        own = cost.get(run["name"], worst)
+        if run["schedule"] == "warmup":
+            twin = run["name"].replace("_warmup_", "_sparse_")
+            own = warmup_frac * own + (1 - warmup_frac) * cost.get(twin, worst)
+        total += own
+    return CALIB_TO + max(1, int(SAFETY * seconds / total))
+
+
+def calibrate(procs: dict, runs: list[dict], sync: Path, ready_by: float,
+              train_deadline: float, warmup_frac: float, log) -> dict:
+    """Release the runs together once all compiled (or at ``ready_by``), time them under full
+    contention, and set one step count for all (a straggler reads it when it gets there)."""
+    ready = _barrier(procs, sync, ".ready", min(ready_by, train_deadline))
+    (sync / "go").touch()
+    _say(f"[launch] {len(ready)}/{len(procs)} runs compiled; go", log)
+    timed = _barrier(procs, sync, ".calib", min(time.time() + CALIB_WAIT, train_deadline))
+    paces = {n: json.loads((sync / f"{n}.calib").read_text())["sec_per_step"] for n in timed}
+    if not paces:
+        _say("[launch] no run reached calibration before the training deadline: see the logs",
+             log)
+        return {"steps": None, "sec_per_step": {}}
+    left = train_deadline - time.time()
+    steps = plan_steps(runs, paces, warmup_frac, left)
+    _write_atomic(sync / "steps", {"steps": steps})
+    _say("[launch] paces (s/step, all runs at once): "
+         + ", ".join(f"{n}={v:.3f}" for n, v in sorted(paces.items()))
+         + f"\n[launch] {steps} steps for every run in the {left:.0f}s left", log)
+    return {"steps": steps, "sec_per_step": paces, "seconds_left": round(left, 1)}
+
+
+def launch(args) -> dict:
+    t0 = time.time()
+    end = t0 + args.time_budget
+    deadlines = (end - args.eval_reserve - args.merge_reserve, end - args.merge_reserve)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="pisa_quality_"))
+    (work / "sync").mkdir(parents=True, exist_ok=True)
+    log = open(work / "launch.log", "w")
+    runs = plan(args)
+    if args.corpus:
+        corpus_path = Path(args.corpus)
+        corpus_info = ByteCorpus.load(corpus_path).info
+    else:  # read the sources once; every run loads the saved tensors
+        corpus_path = work / "corpus.pt"
+        corpus = ByteCorpus.from_site_packages(args.site)
+        corpus.save(corpus_path)
+        corpus_info = corpus.info
+        del corpus
+    _say(f"[launch] {len(runs)} runs in {work}; corpus {corpus_info}", log)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH")])))
+    procs = {}
+    for run in runs:
+        with open(work / f"{run['name']}.log", "w") as f:
+            procs[run["name"]] = subprocess.Popen(
+                _child_argv(args, run, work, corpus_path, deadlines), stdout=f,
+                stderr=subprocess.STDOUT, env=env)
+    calib = None if args.steps is not None else \
+        calibrate(procs, runs, work / "sync", t0 + args.ready_timeout, deadlines[0],
+                  args.warmup_frac, log)
+    last = 0.0
+    while _alive(procs) and time.time() < end - 8:
+        time.sleep(1)
+        if time.time() - last > 60:
+            last = time.time()
+            steps = [_last_step(work / f"{name}.log") for name in procs]
+            _say(f"[launch] t={last - t0:.0f}s: {len(procs) - len(_alive(procs))}/{len(procs)} "
+                 f"runs finished; steps logged {min(steps)}..{max(steps)}", log)
+    for name, p in _alive(procs).items():
+        _say(f"[launch] {name} still running at the budget's end: terminated", log)
+        p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for name, p in procs.items():
+        if p.returncode:
+            _say(f"[launch] {name} exited with {p.returncode}; its log ends:\n"
+                 + _tail(work / f"{name}.log"), log)
+    result = merge(args, runs, work, corpus_info, calib, t0)
+    _write_atomic(out / "quality_trained.json", result)
+    log.close()
+    with tarfile.open(out / "quality_logs.tar.gz", "w:gz") as tar:
+        for path in sorted(work.glob("*.log")) + sorted(work.glob("*.json")):
+            tar.add(path, arcname=f"quality_logs/{path.name}")
+    print(summary(result))
+    print(f"[launch] done in {time.time() - t0:.0f}s: {out / 'quality_trained.json'}, "
+          f"{out / 'quality_logs.tar.gz'}")
+    return result
+
+
+def _last_step(path: Path) -> int:
+    points = [ln for ln in path.read_text(errors="replace").splitlines() if ln.startswith("{")]
+    return json.loads(points[-1])["step"] if points else 0
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: float) -> dict:
+    rows, run_info, records = [], [], {}
+    for run in runs:
+        path = work / f"{run['name']}.json"
+        rec = json.loads(path.read_text()) if path.exists() else {"status": "no record",
+                                                                   "rows": []}
+        records[run["name"]] = rec
+        run_info.append({k: run[k] for k in ("name", "arm", "K", "seed", "schedule", "lr",
+                                             "sweep")}
+                        | {k: rec.get(k) for k in ("status", "steps", "target_steps",
+                                                   "sec_per_step", "train_seconds",
+                                                   "eval_seconds", "params")})
+        if not run["sweep"]:
+            rows += rec["rows"]
+    sweep = []
+    for run in runs:
+        if run["arm"] == "dense" and run["seed"] == 0 and (run["sweep"] or run["lr"] == args.lr):
+            got = {(r["task"], r["metric"]): r["value"] for r in records[run["name"]]["rows"]
+                   if r["test_T"] == args.train_T}
+            accs = [v for (task, m), v in got.items() if m == "accuracy"]
+            sweep.append({"lr": run["lr"], "steps": records[run["name"]].get("steps"),
+                          "lm_loss": got.get(("lm", "loss")),
+                          "mean_task_accuracy": sum(accs) / len(accs) if accs else None})
+    command = "python benchmarks/quality_train.py " + " ".join(sys.argv[1:])
+    m = meta(args.device, command)
+    m.update({
+        "config": {name: getattr(args, name) for name in SHARED}
+        | {"test_T": args.test_T, "lr": args.lr, "seeds": args.seeds, "arms": args.arms,
+           "warmup_arms": args.warmup_arms, "time_budget": args.time_budget},
+        "tasks": list(TRAIN_TASKS), "corpus": corpus_info, "calibration": calib,
+        "runs": run_info, "lr_sweep": sorted(sweep, key=lambda s: s["lr"]),
+        "wall_seconds": round(time.time() - t0, 1),
+        "notes": "accuracy = exact match per question (teacher-forced argmax of every answer "
+                 "token); lm / lm_past<N> = mean next-byte cross-entropy (nats) on held-out "
+                 "code, over all positions / targets at positions >= N; dense rows carry "
+                 "schedule 'sparse' (dense from step 0); steps = optimizer steps reached."})
+    return {"meta": m, "rows": rows}
+
+
+def summary(result: dict) -> str:
+    """Mean over seeds per task, arm and schedule, one column per test length."""
+    cells: dict[tuple, list] = {}
+    for r in result["rows"]:
+        cells.setdefault((r["task"], r["arm"], r["K"], r["schedule"], r["test_T"]), []).append(
+            r["value"])
+    lengths = sorted({k[4] for k in cells})
+    lines = ["task | arm | K | schedule | " + " | ".join(f"T={T}" for T in lengths)]
+    for key in sorted({k[:4] for k in cells}, key=lambda k: (k[0], k[1], k[2] or 0, k[3])):
+        vals = [cells.get(key + (T,)) for T in lengths]
+        lines.append(" | ".join(map(str, key)) + " | " + " | ".join(
+            "-" if not v else f"{sum(v) / len(v):.4f} (n={len(v)})" for v in vals))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--launch", action="store_true", help="run the whole suite (parallel runs)")
+    ap.add_argument("--out", default="quality_out", help="output folder")
+    ap.add_argument("--time-budget", type=float, default=500.0,
+                    help="seconds of wall clock for everything (launch) or this run")
+    ap.add_argument("--eval-reserve", type=float, default=110.0,
+                    help="seconds kept after the training deadline for evaluation")
+    ap.add_argument("--merge-reserve", type=float, default=15.0,
+                    help="seconds kept after the evaluation deadline for merging")
+    ap.add_argument("--work", help="launcher scratch folder (default: a new temp folder)")
+    ap.add_argument("--ready-timeout", type=float, default=180.0,
+                    help="seconds after launch when the runs start even if some still compile")
+    ap.add_argument("--arms", nargs="+",
+                    default=["dense", "pisa:8", "pisa:16", "flat_mean:16", "flat_lse:16"])
+    ap.add_argument("--warmup-arms", nargs="*", default=["pisa:16", "flat_mean:16"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--sweep", type=float, nargs="*", default=[0.5, 2.0],
+                    help="learning-rate multipliers of extra dense seed-0 runs")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads per run")
+    # one run
+    ap.add_argument("--run", default="run", help="run name (file names)")
+    ap.add_argument("--arm", default="dense", choices=("dense", "pisa", "flat_mean", "flat_lse"))
+    ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schedule", default="sparse", choices=SCHEDULES)
+    ap.add_argument("--steps", type=int, help="optimizer steps (default: set by the launcher)")
+    ap.add_argument("--sync", help="barrier folder shared with the launcher")
+    ap.add_argument("--train-deadline", type=float, help="unix time training stops")
+    ap.add_argument("--eval-deadline", type=float, help="unix time evaluation stops")
+    ap.add_argument("--corpus", help="corpus file saved by ByteCorpus.save")
+    ap.add_argument("--site", help="site-packages folder to read the corpus from")
+    # shared by every run
+    ap.add_argument("--train-T", type=int, default=4096)
+    ap.add_argument("--test-T", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--batch", type=int, default=6, help="rows per step (multiple of 6)")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--mlp", type=int, default=768)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr-warmup", type=int, default=50)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup-frac", type=float, default=0.25,
+                    help="schedule 'warmup': fraction of the steps trained densely")
+    ap.add_argument("--wd", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--eval-examples", type=int, default=32)
+    ap.add_argument("--lm-windows", type=int, default=8)
+    ap.add_argument("--lm-past", type=int, default=2048)
+    ap.add_argument("--eval-tokens", type=int, default=65536, help="tokens per eval forward")
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    if args.batch % len(TRAIN_TASKS):
+        ap.error(f"--batch must be a multiple of {len(TRAIN_TASKS)} (LM + {len(TASKS)} tasks)")
+    now = time.time()
+    if args.train_deadline is None:
+        args.train_deadline = now + args.time_budget - args.eval_reserve
+    if args.eval_deadline is None:
+        args.eval_deadline = now + args.time_budget
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.launch:
+        return launch(args)
+    torch.set_num_threads(args.threads)
+    return run_one(args)
+
+
+if __name__ == "__main__":
+    main()

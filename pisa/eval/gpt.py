@@ -1,0 +1,113 @@
+"""A small GPT whose attention is a switch: dense, PISA (pyramid selection) or a flat selector.
+
+Pre-norm decoder blocks: RMSNorm -> ``PisaAttention`` (RoPE, GQA) -> residual, RMSNorm -> SwiGLU
+MLP -> residual; final RMSNorm; the output head is the token embedding (tied).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.attention import PisaAttention
+from .tasks import VOCAB_SIZE
+
+# arm -> the selector ``pisa_attn`` runs (dense attends to every causal key with SDPA)
+ARMS = {"dense": None, "pisa": "pyramid", "flat_mean": "flat_mean", "flat_lse": "flat_lse"}
+
+
+@dataclass
+class GPTConfig:
+    """Model shape and attention arm.
+
+    arm: "dense" | "pisa" | "flat_mean" | "flat_lse". The sparse arms attend ``topk`` blocks of
+        ``block_size`` keys per query (forced sink/previous/current blocks inside the budget);
+        "pisa" finds them with the pyramid walk at beam ``beam`` (default ``topk``), the flat arms
+        by scoring every causal block (mean key / exact LSE).
+    backend: ``pisa_attn`` backend ("auto": Triton on CUDA, torch on CPU).
+    """
+
+    vocab_size: int = VOCAB_SIZE
+    width: int = 256
+    depth: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    mlp_hidden: int = 768
+    rope_theta: float = 10000.0
+    arm: str = "dense"
+    topk: int = 16
+    block_size: int = 64
+    beam: int | None = None
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.arm not in ARMS:
+            raise ValueError(f"arm must be one of {tuple(ARMS)}, got {self.arm!r}")
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(width, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        sparse = {} if cfg.arm == "dense" else dict(
+            selector=ARMS[cfg.arm], topk=cfg.topk, block_size=cfg.block_size, beam=cfg.beam,
+            backend=cfg.backend)
+        self.attn_norm = nn.RMSNorm(cfg.width)
+        self.attn = PisaAttention(cfg.width, cfg.heads, cfg.kv_heads, rope_theta=cfg.rope_theta,
+                                  attn="dense" if cfg.arm == "dense" else "pisa", **sparse)
+        self.mlp_norm = nn.RMSNorm(cfg.width)
+        self.mlp = SwiGLU(cfg.width, cfg.mlp_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """``forward(ids [B, T] int64) -> logits [B, T, vocab_size]``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.norm = nn.RMSNorm(cfg.width)
+        self.apply(self._init)
+        for block in self.blocks:  # residual branches scaled down with depth (GPT-2)
+            for out in (block.attn.o_proj, block.mlp.down):
+                nn.init.normal_(out.weight, std=0.02 / (2 * cfg.depth) ** 0.5)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def set_sparse(self, sparse: bool) -> None:
+        """Sparse arms: attend sparsely (``True``) or densely (``False``, the dense warm-up).
+        The dense arm is always dense."""
+        if self.cfg.arm != "dense":
+            for block in self.blocks:
+                block.attn.attn = "pisa" if sparse else "dense"
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.norm(x), self.embed.weight)

@@ -1,0 +1,173 @@
+"""CPU smoke test of benchmarks/quality_train.py: every arm trains a few steps and evaluates
+(pisa through the torch backend), and the launcher merges its runs into the result schema."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "quality_train.py"
+ROW_KEYS = {"task", "arm", "K", "seed", "train_T", "test_T", "metric", "value", "steps",
+            "schedule"}
+TASK_ROWS = {"needle_single", "needle_multi", "assoc_recall", "var_track", "aggregate"}
+TINY = ["--train-T", "512", "--test-T", "512", "--block-size", "16", "--width", "32", "--depth",
+        "2", "--heads", "2", "--kv-heads", "1", "--mlp", "64", "--eval-examples", "2",
+        "--lm-windows", "1", "--lm-past", "256", "--log-every", "1", "--threads", "1",
+        "--device", "cpu"]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("quality_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """A small site-packages: a few torch and triton sources (the real ones take seconds)."""
+    root = tmp_path_factory.mktemp("site")
+    real = Path(torch.__file__).resolve().parent
+    for pkg, n in (("torch", 6), ("triton", 2)):
+        (root / pkg).mkdir()
+        for i, f in enumerate(sorted(real.glob("*.py"))[:n]):
+            (root / pkg / f"m{i}.py").write_bytes(f.read_bytes())
+    return root
+
+
+def check_rows(rows, arms, lengths, steps):
+    assert rows
+    for r in rows:
+        assert set(r) == ROW_KEYS
+        assert r["arm"] in ("dense", "pisa", "flat_mean", "flat_lse") and r["arm"] in arms
+        assert r["schedule"] in ("sparse", "warmup") and r["test_T"] in lengths
+        assert r["metric"] == ("loss" if r["task"].startswith("lm") else "accuracy")
+        assert math.isfinite(r["value"]) and r["steps"] == (steps or r["steps"]) > 0
+        assert (r["K"] is None) == (r["arm"] == "dense")
+        if r["metric"] == "accuracy":
+            assert 0.0 <= r["value"] <= 1.0
+        else:
+            assert 0.0 < r["value"] < 10.0
+    assert {r["task"] for r in rows} == TASK_ROWS | {"lm", "lm_past256"}
+
+
+@pytest.mark.parametrize("arm,schedule", [("dense", "sparse"), ("pisa", "sparse"),
+                                          ("pisa", "warmup"), ("flat_mean", "sparse"),
+                                          ("flat_lse", "sparse")])
+def test_every_arm_trains_and_evaluates(arm, schedule, site, tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        rec = _script().main(["--run", "r", "--arm", arm, "--topk", "4", "--schedule", schedule,
+                              "--steps", "3", "--site", str(site), "--out", str(tmp_path)]
+                             + TINY)
+    finally:
+        torch.set_num_threads(threads)
+    assert rec["status"] == "done" and rec["steps"] == 3 and len(rec["curve"]) == 3
+    assert all(math.isfinite(p["loss"]) for p in rec["curve"])
+    check_rows(rec["rows"], {arm}, {512}, 3)
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == rec["rows"]
+
+
+def test_train_batch_weights_each_part_equally(site):
+    qt = _script()
+    from pisa.eval.tasks import ByteCorpus
+    data = ByteCorpus.from_site_packages(site).train
+    tokens, weights, part = qt.train_batch(12, 512, torch.Generator().manual_seed(0), data)
+    assert tokens.shape == (12, 512) and weights.shape == (12, 511)
+    sums = torch.zeros(6, dtype=torch.float64).index_add_(0, part, weights.double().sum(1))
+    torch.testing.assert_close(sums, torch.full((6,), 1 / 6, dtype=torch.float64))
+    assert (weights[part > 0] > 0).sum() < (weights[part == 0] > 0).sum()  # answers only
+
+
+def test_task_accuracy_is_exact_match_per_question(rng):
+    qt = _script()
+    args = qt.parse_args(["--device", "cpu", "--eval-examples", "3"])
+    from pisa.eval.tasks import VOCAB_SIZE, make_task
+    gen = torch.Generator().manual_seed(qt._eval_seed("assoc_recall", 1024))
+    b = make_task("assoc_recall", 3, 1024, gen)
+
+    class Oracle(torch.nn.Module):
+        """Predicts every next token of the evaluation rows, but one answer token wrong."""
+        def forward(self, ids):
+            nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1).clone()
+            first = b.answer[0].nonzero()[0, 0]
+            if torch.equal(ids[0], b.tokens[0]):
+                nxt[0, first - 1] = (nxt[0, first - 1] + 1) % VOCAB_SIZE
+            return torch.nn.functional.one_hot(nxt, VOCAB_SIZE).float()
+
+    acc = qt.task_accuracy(Oracle(), "assoc_recall", 1024, args)
+    assert acc == pytest.approx(1 - 1 / (3 * b.n_spans))
+
+
+def test_plan_steps_shares_the_gpu_and_costs_warmup_runs_by_their_sparse_twin():
+    qt = _script()
+    runs = [{"name": n, "schedule": n.split("_")[1]}
+            for n in ("a_sparse_s0", "b_sparse_s0", "b_warmup_s0", "c_sparse_s0")]
+    paces = {"a_sparse_s0": 1.0, "b_sparse_s0": 3.0, "b_warmup_s0": 1.0}  # c did not report
+    # GPU cost per step = pace / 3 runs timed: a 1/3, b 1, b warm-up 1/4 * 1/3 + 3/4 * 1, c 1
+    total = 1 / 3 + 1 + (0.25 / 3 + 0.75) + 1
+    want = qt.CALIB_TO + int(qt.SAFETY * 100 / total)
+    assert qt.plan_steps(runs, paces, 0.25, 100.0) == want
+
+
+def test_launcher_calibrates_one_step_count_and_merges_runs_into_the_schema(site, tmp_path):
+    """The GPU protocol on CPU: runs compile, wait for each other, time a few steps, get one
+    step count from the launcher, train, evaluate; the launcher merges everything."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, str(SCRIPT), "--launch", "--out", str(out), "--work", str(work),
+           "--arms", "dense", "--warmup-arms", "pisa:4", "--seeds", "0", "--sweep", "2",
+           "--site", str(site), "--time-budget", "70", "--eval-reserve", "12",
+           "--merge-reserve", "5"] + TINY
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["quality_logs.tar.gz",
+                                                     "quality_trained.json"]
+    result = json.loads((out / "quality_trained.json").read_text())
+    meta = result["meta"]
+    assert {"device", "torch", "triton", "date", "command"} <= set(meta)
+    steps = meta["calibration"]["steps"]  # how many depends on this machine's load
+    assert steps > 10 and len(meta["calibration"]["sec_per_step"]) == 3
+    for run in meta["runs"]:
+        assert run["status"] == "done" and run["target_steps"] == steps
+        assert 0 < run["steps"] <= steps
+    check_rows(result["rows"], {"dense", "pisa"}, {512}, None)
+    assert {(r["arm"], r["schedule"]) for r in result["rows"]} == {("dense", "sparse"),
+                                                                   ("pisa", "warmup")}
+    assert len(result["rows"]) == 2 * 7  # the sweep run stays out of the rows
+    assert [s["lr"] for s in meta["lr_sweep"]] == [2e-3, 4e-3]
+    with tarfile.open(out / "quality_logs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"quality_logs/launch.log", "quality_logs/pisa4_warmup_s0.log",
+            "quality_logs/dense_lr0.004_s0.json"} <= names
+    md, png = tmp_path / "q.md", tmp_path / "q.png"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "quality_tables.py"),
+                    str(out / "quality_trained.json"), "--md", str(md), "--png", str(png)],
+                   check=True, capture_output=True, timeout=120)
+    text = md.read_text()
+    assert "## assoc_recall" in text and "## Where PISA loses" in text and "| 0.004 |" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arm,schedule", [("dense", "sparse"), ("pisa", "warmup"),
+                                          ("flat_mean", "sparse"), ("flat_lse", "sparse")])
+def test_every_arm_trains_on_gpu_at_the_suite_shapes(arm, schedule, tmp_path):
+    """The suite's model and lengths on the GPU (bf16, Triton), a few steps: run this before
+    spending the suite's minutes."""
+    rec = _script().main(["--run", "g", "--arm", arm, "--topk", "16", "--schedule", schedule,
+                          "--steps", "4", "--log-every", "2", "--test-T", "4096", "16384",
+                          "--eval-examples", "4", "--lm-windows", "2", "--device", "cuda",
+                          "--out", str(tmp_path)])
+    assert rec["status"] == "done" and rec["steps"] == 4
+    assert all(math.isfinite(p["loss"]) for p in rec["curve"])
+    for r in rec["rows"]:
+        assert set(r) == ROW_KEYS and math.isfinite(r["value"])
+    assert {r["test_T"] for r in rec["rows"]} == {4096, 16384}
