@@ -2,6 +2,7 @@
 same KV cache, plus the prefill of a long prompt (issue 4's benchmark).
 
     python benchmarks/decode_h200.py --out benchmarks/results/decode_h200.json
+    python benchmarks/decode_h200.py --quick  # 32K and 1M, batch 1 and 16, the sweep
 
 Config A (PISA_SPEC.md §10): bf16, HQ=64, HKV=4, D=128, C=64, K=16, W=16, g=2; batch 1 and 16;
 contexts 32K, 64K, ..., 1M. Each cache is filled to its full length with random keys and values
@@ -13,11 +14,11 @@ median of CUDA events around each replay. ``warm_ms``: ``triton.testing.do_bench
 (the step unrolled in a graph, back to back, L2 warm), for comparison with figures measured that
 way (the dense anchors of PISA_SPEC.md §10).
 
-Rows (``pisa/bench.py`` schema; ``splits``, ``num_warps``, ``warm_ms``, ``best_of`` are extra
-columns):
-- ``decode/pisa``: ``decode_triton`` with its default split count and warps;
-  ``decode/pisa_sweep`` (batch 1, ``--sweep-lengths``): the same step at each split count of
-  ``--splits``, and at the default split count with each ``--warps``.
+Rows (``pisa/bench.py`` schema; ``splits``, ``num_warps``, ``num_stages``, ``warm_ms``,
+``best_of`` are extra columns; ``None`` is the default):
+- ``decode/pisa``: ``decode_triton`` with its default split count, warps and stages;
+  ``decode/pisa_sweep`` (batch 1, ``--sweep-lengths``): the same step varying one knob at a time
+  from the defaults, each split count of ``--splits``, each ``--warps``, each ``--stages``.
 - ``decode/pisa_append_kv``: ``append_kv`` of one token per sequence, the cache write of a step
   (not in the decode rows: the dense rows leave their cache write out too).
 - ``decode/sdpa_<backend>_<gqa>``: SDPA over every key of the same cache (read in place as a
@@ -120,18 +121,19 @@ def bench_shape(B: int, T: int, cfg: SelectConfig, args, flush: torch.Tensor, ro
     reset_peak("cuda")
     q, k_cache, v_cache, sums, lens = filled_cache(B, T, seed=T + B)
 
-    def step(splits=None, warps=None):
+    def step(splits=None, warps=None, stages=None):
         return decode_triton(q, k_cache, v_cache, sums, lens, cfg, num_splits=splits,
-                             num_warps=warps)
+                             num_warps=warps, num_stages=stages)
     splits = default_num_splits(B, HKV, cfg.slots, q.device)
     row("decode", "pisa", "triton", B, T, graph_ms(step, args.reps, flush), splits=splits,
-        num_warps=None, warm_ms=warm_ms(step))
+        num_warps=None, num_stages=None, warm_ms=warm_ms(step))
     if B == 1 and T in args.sweep_lengths:
-        sweep = [(s, None) for s in args.splits] + [(splits, w) for w in args.warps]
-        for s, w in sweep:
-            fn = lambda s=s, w=w: step(s, w)  # noqa: E731
+        sweep = [(s, None, None) for s in args.splits] + [(splits, w, None) for w in args.warps] \
+            + [(splits, None, st) for st in args.stages]
+        for s, w, st in sweep:
+            fn = lambda s=s, w=w, st=st: step(s, w, st)  # noqa: E731
             row("decode", "pisa_sweep", "triton", B, T, graph_ms(fn, args.reps, flush),
-                splits=s, num_warps=w, warm_ms=warm_ms(fn))
+                splits=min(s, cfg.slots), num_warps=w, num_stages=st, warm_ms=warm_ms(fn))
     dense = []
     for name, fn in sdpa_variants(q, k_cache, v_cache).items():
         reset_peak("cuda")
@@ -159,15 +161,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1 << p for p in range(15, 21)])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--splits", type=int, nargs="+", default=[1, 4, 16],
-                    help="split counts of the batch-1 sweep (default warps)")
+    ap.add_argument("--splits", type=int, nargs="*", default=[4, 8, 16],
+                    help="split counts of the batch-1 sweep (default warps and stages; counts "
+                         "above K are capped at K, one selected block per split)")
     ap.add_argument("--warps", type=int, nargs="*", default=[4],
-                    help="num_warps values of the batch-1 sweep (default splits)")
+                    help="num_warps values of the batch-1 sweep (default splits and stages)")
+    ap.add_argument("--stages", type=int, nargs="*", default=[2, 4],
+                    help="num_stages values of the batch-1 sweep (default splits and warps)")
     ap.add_argument("--sweep-lengths", type=int, nargs="*", default=[32768, 1 << 20])
     ap.add_argument("--reps", type=int, default=50, help="graph replays per timing (median)")
     ap.add_argument("--prefill-len", type=int, default=131072, help="0 skips the prefill rows")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_h200.json"))
+    ap.add_argument("--quick", action="store_true",
+                    help="batch 1 and 16 at 32K and 1M only (and the sweep), no prefill")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default benchmarks/results/decode_h200.json (_quick.json with --quick)")
     args = ap.parse_args()
+    if args.quick:
+        args.lengths, args.batches, args.prefill_len = [32768, 1 << 20], [1, 16], 0
+    if args.out is None:
+        args.out = Path(f"benchmarks/results/decode_h200{'_quick' if args.quick else ''}.json")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     cfg = SelectConfig(block_size=C, topk=K, branching=G_BR, beam=W, scale=D ** -0.5)
@@ -228,9 +240,11 @@ def table(rows: list[dict]) -> str:
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     sweep = [r for r in rows if r["impl"] == "pisa_sweep"]
     if sweep:
-        lines += ["", "| T | splits | num_warps | ms | warm ms |", "|---|---|---|---|---|"]
-        lines += [f"| {r['T']} | {r['splits']} | {r['num_warps'] or 'default'} | {r['ms']:.4f} | "
-                  f"{r['warm_ms']:.4f} |" for r in sweep]
+        lines += ["", "| T | splits | num_warps | num_stages | ms | warm ms |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['T']} | {r['splits']} | {r['num_warps'] or 'default'} | "
+                  f"{r.get('num_stages') or 'default'} | {r['ms']:.4f} | {r['warm_ms']:.4f} |"
+                  for r in sweep]
     fwd = [r for r in rows if r["op"] == "fwd"]
     if fwd:
         lines += ["", "| prefill T | impl | ms | peak GB |", "|---|---|---|---|"]

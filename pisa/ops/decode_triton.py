@@ -13,22 +13,29 @@ device, walks the pyramid of the cache (the geometry of ``T_max``: its level cou
 are fixed by the cache shape; above the sequence's own root only node 0 is active, forced, so the
 walk equals prefill's):
 
-- internal levels, root to level 2: the candidates are the children of the kept nodes of the level
-  above and of its forced nodes (``select_triton._candidates``); future and forced candidates drop
-  out; when more than ``W`` remain, each is scored per head by the LSE over its children's means
-  (``_child_lse``: the cache's sums over the children's key count, which is the full span, as
-  every ranked node lies before the query), summed over heads, and ``tl.topk`` over packed
-  (score, index) keys keeps ``W``. Per level that is ``g`` loads of the candidates' child sums
-  and their dots, nothing else.
+- internal levels, root to level 2: a level's free nodes (causal and not forced) never get fewer
+  going down, and while they number at most ``W`` all are kept unscored. So the kernel computes
+  from ``t``, ``C`` and ``g`` how many top levels are like that, skips them, and starts at the
+  first level with more free nodes, taking all free nodes of the level above as kept. From there
+  the candidates are the children of the kept nodes of the level above and of its forced nodes
+  (``select_triton._candidates``), free ones only: always more than ``W``, so each is scored per
+  head by the LSE over its children's means (``_child_lse``: the cache's sums over the children's
+  key count, which is the full span, as every ranked node lies before the query), summed over
+  heads, and ``tl.topk`` over packed (score, index) keys keeps ``W``. Per ranked level that is
+  ``g`` loads of the candidates' child sums (in flight together, ``num_stages`` permitting),
+  their dots and the top-k.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
-  keys (``select_triton._leaf_key_scores``: one ``[g * C, D]`` load and one dot per parent); the
-  best ``K - #forced`` free blocks (``K`` with ``forced_in_budget=False``) join the sink, previous
-  and current blocks.
+  keys (``select_triton._leaf_key_scores``: one ``[g * C, D]`` load and one dot per parent, the
+  next parents' keys loading meanwhile); the best ``K - #forced`` free blocks (``K`` with
+  ``forced_in_budget=False``) join the sink, previous and current blocks.
 - attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
   list of selected blocks and runs an online softmax over their keys ``j <= t``. Every split
-  repeats the walk and the leaf ranking (a few microseconds of latency, reads mostly from L2)
+  repeats the walk and the leaf ranking in parallel (their reads of the same rows mostly hit L2)
   instead of paying a second launch and a round trip through memory. One split writes the final
   ``o, lse``; several write fp32 partials that ``_combine_kernel`` merges by their LSE.
+
+A step is a chain of dependent memory round trips (each ranked level's child sums depend on the
+level above); ``num_stages`` lets each loop load its next tiles while it scores the current one.
 
 Nothing depends on tensor values on the host (no ``.item()``, allocation sizes from shapes only),
 so a step is capturable in a CUDA graph. ``cache_seqlens`` values above ``T_max`` are clamped to it;
@@ -36,13 +43,14 @@ so a step is capturable in a CUDA graph. ``cache_seqlens`` values above ``T_max`
 
 Precision. As in ``select_triton``: keys and queries enter ``tl.dot`` in their dtype (fp32
 accumulation), the fp32 child means against 16-bit queries as a 16-bit head plus residual, fp32
-inputs with ``input_precision="ieee"``. Means are ``sums / counts`` in fp32 as the prefill build
-computes them; their sums only differ in summation order, so decode and prefill can differ only on
-near-tied candidates.
+inputs with ``input_precision="ieee"``. Means are ``sums / counts`` in fp32 (a product with the
+exact reciprocal of the count, a power of two), as the prefill build computes them from its own
+sums; those only differ in summation order, so decode and prefill can differ only on near-tied
+candidates.
 
 Limits: ``scorer="lse"``, ``selector="pyramid"``; ``branching`` 2 or 4; ``block_size`` a power of
-two in [16, 128]; head dim 16, 32, 64 or 128; ``W <= 512 / g`` (wider beams are capped at the leaf
-count of ``T_max``, which prunes nothing either).
+two in [16, 128]; head dim 16, 32, 64 or 128; ``1 <= W <= 512 / g`` (wider beams are capped at the
+leaf count of ``T_max``, which prunes nothing either).
 """
 from __future__ import annotations
 
@@ -66,12 +74,23 @@ _MAX_GROUP = 64  # query heads per KV head: the rows of every tile
 # gave wrong results on the H200 with triton 3.6 in the attention kernel (docs/results_h200.md);
 # 32 rows were right there, and a decode step is bound by latency, not by these tiny products.
 _MIN_ROWS = 32
-# Splits beyond this cost more in repeated walks (extra programs and L2 traffic) than they save in
-# attention latency: K / SPLITS blocks per program.
-_MAX_SPLITS = 8
-# ptxas (sm_90, config A: G=16, D=128, C=64, g=2, W=16) allots 255 registers a thread either way;
-# at 4 warps it spills 352 bytes a thread, at 8 warps none.
+# Every split repeats the walk and the leaf ranking and attends to K / SPLITS blocks. On the H200
+# (config A, B=1, 1M context, before the level skip and the pipelining) 16 splits (one block each)
+# measured 0.132 ms, 8 splits 0.137 ms, 4 splits 0.141 ms: the walks run in parallel on idle SMs.
+_MAX_SPLITS = 16
+# Compiled for sm_90 with the launcher's arguments (config A: G=16, D=128, C=64, g=2, W=16, bf16,
+# 8 splits), ptxas gives 185 registers a thread at 8 warps and 248 at 4, neither spilling (at 16
+# splits 248 and 255); on the H200 8 warps measured faster (0.137 vs 0.144 ms, 1M, 8 splits,
+# before the level skip and the pipelining).
 _NUM_WARPS = 8
+# Pipelining. With 2 stages triton 3.6 gives a loop one buffer and starts loading the next tile
+# only after the current one is scored (seen in the TTGIR), so every iteration waits a full memory
+# round trip; 3 keeps a tile in flight while one is scored (both children of a g=2 level, the
+# next parent's leaf keys, both blocks of a split at K / SPLITS = 2).
+_NUM_STAGES = 3
+# Shared memory for the tiles a pipelined loop loads ahead (the loops run one after another; the
+# H100 / H200 give a block 227 KB, the rest holds the queries and the dots' operands).
+_STAGE_SMEM = 128 * 1024
 
 
 # ------------------------------------------------------------------------------------------------
@@ -79,23 +98,41 @@ _NUM_WARPS = 8
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _child_lse(b_q, o_x, m_x, p_child, s_cn, n_keys, scale,
-               G_BR: tl.constexpr, D: tl.constexpr, F32_PREC: tl.constexpr):
+def _exp2i(e):
+    """``2.0 ** e`` in fp32 for an integer ``e`` in [-126, 127], exact (from its exponent bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _free_end(cur, shift):
+    """The free (causal, not forced) nodes of a level whose nodes span ``2 ** shift`` leaves, for a
+    query in leaf ``cur``, are ``1 .. p - 1``: ``p``, returned, holds leaf ``cur - 1``; the forced
+    nodes are 0, ``p`` and the node holding leaf ``cur``, which is ``p`` or ``p + 1``, the last
+    causal one (elementwise over tensors of shifts)."""
+    return tl.maximum(cur - 1, 0) >> shift
+
+
+@triton.jit
+def _child_lse(b_q, o_x, m_x, p_child, s_cn, inv_n, scale,
+               G_BR: tl.constexpr, D: tl.constexpr, F32_PREC: tl.constexpr,
+               STAGES: tl.constexpr):
     """Per query row scores ``[ROWS, NX]`` of candidates ``o_x [NX]``: ``log sum_c exp(scale *
-    q . s_c / n_keys)`` over their ``G_BR`` children's sums ``s_c`` (rows ``o_x * G_BR + c`` of
-    ``p_child``), online over ``c``; ``-inf`` outside ``m_x``.
+    q . s_c * inv_n)`` over their ``G_BR`` children's sums ``s_c`` (rows ``o_x * G_BR + c`` of
+    ``p_child``), online over ``c``; ``-inf`` outside ``m_x``. ``STAGES - 1`` child tiles load
+    ahead: with ``STAGES > G_BR``, one memory round trip per level instead of ``G_BR``.
 
     A ranked node lies wholly before the query (nodes holding it are forced, later ones dropped),
-    so each of its children is full, ``n_keys`` keys: the means are ``s_c / n_keys`` and the
-    spec's count weights ``n_c`` are one constant factor per level, which no ranking sees."""
+    so each of its children is full: ``n`` keys, a power of two, and ``inv_n = 1 / n`` exactly,
+    so ``s_c * inv_n`` is the mean ``s_c / n``. The spec's count weights ``n_c`` are one constant
+    factor per level, which no ranking sees."""
     o_d = tl.arange(0, D)
     M: tl.constexpr = b_q.shape[0]
     N: tl.constexpr = o_x.shape[0]
     b_max = tl.full([M, N], float("-inf"), dtype=tl.float32)
     b_acc = tl.zeros([M, N], dtype=tl.float32)
-    for c in range(0, G_BR):
+    for c in tl.range(0, G_BR, num_stages=STAGES):
         p = p_child + (o_x * G_BR + c).to(tl.int64)[:, None] * s_cn + o_d[None, :]
-        b_mean = tl.load(p, mask=m_x[:, None], other=0.) / n_keys
+        b_mean = tl.load(p, mask=m_x[:, None], other=0.) * inv_n
         b_x = _dot_nt_f32(b_q, b_mean, F32_PREC) * scale  # finite: masked rows read zeros
         b_new = tl.maximum(b_max, b_x)
         b_acc = b_acc * tl.exp(b_max - b_new) + tl.exp(b_x - b_new)
@@ -116,61 +153,77 @@ def _dot_pv(b_p, b_v, F32_PREC: tl.constexpr):
 @triton.jit
 def _decode_kernel(
         p_q, p_k, p_v, p_sums, p_seqlens, p_o, p_lse, p_idx,
-        T_max, n_leaves, n_total, n_levels, top_span, scale, scale_log2,
+        T_max, n_leaves, n_walk, scale, scale_log2,
         s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_sn, s_sh,
         s_ob, s_oh, s_os, s_lb, s_lh, s_ls, s_ib, s_ih,
         G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-        G_BR: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, KS: tl.constexpr,
-        TOPK: tl.constexpr, IN_BUDGET: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr,
-        KPS: tl.constexpr, WRITE_IDX: tl.constexpr, F32_PREC: tl.constexpr):
+        LOG_C: tl.constexpr, G_BR: tl.constexpr, LOG_G: tl.constexpr, W: tl.constexpr,
+        WP: tl.constexpr, KS: tl.constexpr, TOPK: tl.constexpr,
+        IN_BUDGET: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, KPS: tl.constexpr,
+        WRITE_IDX: tl.constexpr, F32_PREC: tl.constexpr, CHILD_STAGES: tl.constexpr,
+        LEAF_STAGES: tl.constexpr, ATTN_STAGES: tl.constexpr):
     """Walk, leaf ranking and the attention of split ``i_s`` for sequence ``i_b``, KV head ``i_h``.
 
-    Register state between levels: ``b_rest [WP]``, the kept non-forced nodes (``n_rest`` of them)
-    of the level above; forced nodes are never carried, they follow from ``cur``.
+    Levels are named by ``shift``: a node spans ``2 ** shift`` leaves (``LOG_G`` per level). The
+    walk ranks the ``n_walk`` levels between the root and the leaves of the ``T_max`` geometry,
+    from the highest whose free (causal, non-forced) nodes outnumber ``W``. Register state between
+    levels: ``b_rest [WP]``, the kept free nodes (``n_rest`` of them) of the level above; forced
+    nodes are never carried, they follow from ``cur``.
     Writes ``o`` rows (``p_o`` at split ``i_s``: the final output, or an fp32 partial) and their
     natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending (``-1`` padded).
     """
     i_b, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NX: tl.constexpr = 2 * G_BR * WP
     b_q, m_row = _load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, ROWS, 1, D, D)
     seqlen = tl.minimum(tl.load(p_seqlens + i_b), T_max)
     t = seqlen - 1  # the query's position; -1 for an empty sequence (every key masked)
-    cur = tl.maximum(t, 0) // C
+    cur = tl.maximum(t, 0) // C  # 0 for an empty sequence too: no free node at any level
     p_kh = p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh
     p_sh = p_sums + i_b.to(tl.int64) * s_sb + i_h * s_sh
 
-    # Internal levels. ``lo`` is the first sums row of the level being ranked (level sizes are
-    # cdiv(n_leaves, span): the offsets of the T_max geometry, top-down).
+    # Top levels with at most W free nodes keep all of them unscored, and the free nodes' count
+    # (_free_end - 1) never shrinks going down. So skip those levels: the walk starts at the first
+    # level with more, from all free nodes of the level above (none above the highest walk level,
+    # whose parent is the root).
+    o_lv = tl.arange(0, 32)  # walk level i ranks shift LOG_G * (n_walk - i); n_walk < 32
+    n_free = tl.maximum(_free_end(cur, LOG_G * tl.maximum(n_walk - o_lv, 0)) - 1, 0)
+    n_skip = tl.sum(((o_lv < n_walk) & (n_free <= W)).to(tl.int32))
+    shift = LOG_G * (n_walk - n_skip)  # of the first ranked level (0: none, leaves next)
+    n_rest = tl.maximum(_free_end(cur, shift + LOG_G) - 1, 0)
     o_w = tl.arange(0, WP)
-    b_rest = tl.zeros([WP], dtype=tl.int32)
-    n_rest = 0
-    span = top_span  # leaves under a node of the level being ranked
-    lo = n_total - 1 - (n_leaves + top_span - 1) // top_span
-    for _ in range(0, n_levels - 2):
-        lo_c = lo - (n_leaves + span // G_BR - 1) // (span // G_BR)
-        o_x, m_x = _candidates(b_rest, n_rest, cur, cur, span * G_BR, G_BR, G_BR, WP)
-        m_x = m_x & (o_x * span * C <= t) & (o_x != 0) \
-            & (o_x != tl.maximum(cur - 1, 0) // span) & (o_x != cur // span)
-        n_cand = tl.sum(m_x.to(tl.int32))
-        # Unscored candidates rank by node index, which keeps all of them (n_cand <= W).
-        b_s = tl.zeros([NX], dtype=tl.float32)
-        if n_cand > W:
-            b_sm = _child_lse(b_q, o_x, m_x, p_sh + lo_c.to(tl.int64) * s_sn, s_sn,
-                              span // G_BR * C, scale, G_BR, D, F32_PREC)
-            b_s = tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
+    b_rest = 1 + o_w
+    # First sums row of the ranked level's children: the T_max geometry stores the levels
+    # leaves first, cdiv(n_leaves, 2 ** s) nodes at shift s.
+    o_sh = LOG_G * tl.minimum(o_lv, 30 // LOG_G)
+    n_nodes = (n_leaves + (1 << o_sh) - 1) >> o_sh
+    lo_c = tl.sum(tl.where(o_lv < shift // LOG_G - 1, n_nodes, 0))
+
+    # Ranked levels: each has more than W candidates (the first by the skip, the next ones
+    # G_BR * W children of the W kept nodes at least), so W are kept. The candidates are the
+    # children of the kept and of the forced nodes above (select_triton._candidates), scored per
+    # head by the LSE over their children's means, summed over heads.
+    for _ in range(n_skip, n_walk):
+        sc = shift - LOG_G  # the children's shift
+        o_x, m_x = _candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), G_BR, G_BR, WP)
+        m_x = m_x & (o_x >= 1) & (o_x < _free_end(cur, shift))  # free nodes only
+        b_sm = _child_lse(b_q, o_x, m_x, p_sh + lo_c.to(tl.int64) * s_sn, s_sn,
+                          _exp2i(-(sc + LOG_C)), scale, G_BR, D, F32_PREC, CHILD_STAGES)
+        b_s = tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
         b_top = tl.topk(tl.where(m_x, _pack(b_s, o_x), _KEY_NONE), WP)
         b_rest = tl.where(b_top != _KEY_NONE, _unpack_idx(b_top), 0)
-        n_rest = tl.minimum(n_cand, W)
-        span = span // G_BR
-        lo = lo_c
+        n_rest = W
+        shift = sc
+        sg = tl.maximum(sc - LOG_G, 0)  # the grandchildren's (unused after the last level)
+        lo_c = lo_c - ((n_leaves + (1 << sg) - 1) >> sg)
 
     # Leaves: exact LSE of the free children ([1, cur - 2]) of each kept parent, then of each new
     # forced parent (sink, previous, current); scores land in the candidate slots by index.
+    # LEAF_STAGES - 1 parents' keys are loaded ahead of the one being scored.
+    NX: tl.constexpr = 2 * G_BR * WP
     o_x, m_x = _candidates(b_rest, n_rest, cur, cur, G_BR, G_BR, G_BR, WP)
     m_free = m_x & (o_x >= 1) & (o_x <= cur - 2)
     o_c = tl.arange(0, G_BR)
     b_s = tl.zeros([NX], dtype=tl.float32)
-    for j in range(0, n_rest + 3):
+    for j in tl.range(0, n_rest + 3, num_stages=LEAF_STAGES):
         par_f, new_f = _forced_parents(j - n_rest, cur, cur, G_BR)
         kept = j < n_rest
         par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
@@ -208,7 +261,7 @@ def _decode_kernel(
     b_m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([ROWS], dtype=tl.float32)
     b_acc = tl.zeros([ROWS, D], dtype=tl.float32)
-    for j in range(0, KPS):
+    for j in tl.range(0, KPS, num_stages=ATTN_STAGES):
         blk = tl.sum(tl.where(o_s == i_s * KPS + j, b_sel + 1, 0)) - 1
         o_key = blk * C + o_t
         m_key = (blk >= 0) & (o_key <= t)
@@ -267,12 +320,20 @@ def _sm_count(device: torch.device) -> int:
 
 def default_num_splits(batch: int, kv_heads: int, slots: int, device: torch.device) -> int:
     """Splits per (sequence, KV head): enough programs to cover the GPU's SMs once, at most
-    ``_MAX_SPLITS`` and at most one per selected block (B=1, HKV=4 on an H200: 8; B=16: 2)."""
+    ``_MAX_SPLITS`` and at most one per selected block (HKV=4, K=16 on an H200: 16 at B=1 and 2,
+    8 at B=4, 2 at B=16)."""
     return max(1, min(slots, _MAX_SPLITS, _sm_count(device) // max(batch * kv_heads, 1)))
 
 
+def _stages(num_stages: int, tile_bytes: int, trips: int) -> int:
+    """``num_stages`` of a loop loading one ``tile_bytes`` tile an iteration: up to
+    ``num_stages - 1`` tiles in flight, no more than the loop has iterations or than fit
+    ``_STAGE_SMEM`` bytes of shared memory (1: no pipelining)."""
+    return 1 + max(0, min(num_stages - 1, trips, _STAGE_SMEM // tile_bytes))
+
+
 def _check_supported(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                     cfg: SelectConfig, num_splits, num_warps) -> None:
+                     cfg: SelectConfig, num_splits, num_warps, num_stages) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"decode_triton needs fp16/bf16/fp32 q and cache, got {q.dtype}")
     if q.shape[2] // k_cache.shape[2] > _MAX_GROUP:
@@ -300,12 +361,16 @@ def _check_supported(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torc
     if num_warps not in (None, 1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be None or a power of two in [1, 16], got "
                          f"{num_warps!r}")
+    if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+        raise ValueError(f"num_stages must be a positive int or None, got {num_stages!r}")
+    if cfg.beam < 1:
+        raise ValueError(f"decode_triton needs beam >= 1, got {cfg.beam}")
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, *,
                   num_splits: int | None = None, num_warps: int | None = None,
-                  return_block_idx: bool = False):
+                  num_stages: int | None = None, return_block_idx: bool = False):
     """One decode step (selection and attention) with one fused Triton kernel.
 
     Arguments:
@@ -316,10 +381,14 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             (``pisa.ops.kvcache`` layout, geometry of ``max_seqlen``).
         cache_seqlens: (batch,) int32, valid keys per sequence including the current token.
         cfg: resolved ``SelectConfig`` (``selector="pyramid"``, ``scorer="lse"``, ``branching``
-            2 or 4, ``block_size`` 16..128).
+            2 or 4, ``block_size`` 16..128, ``beam >= 1``).
         num_splits: programs per (sequence, KV head) sharing the attention over the selected
             blocks (flash-decoding). Default: ``default_num_splits`` (fill the SMs once).
         num_warps: warps per program of the main kernel (a tuning knob; default 8).
+        num_stages: software pipelining of the kernel's loops over a level's children, over the
+            kept parents' leaf keys and over the attended blocks: up to ``num_stages - 1`` tiles
+            loaded ahead, fewer where the loop is shorter or shared memory is short (a tuning
+            knob; default 3; 1 loads each tile when it is used).
         return_block_idx: also return the selection, for tests and inspection.
 
     Returns:
@@ -332,7 +401,7 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     CUDA graph.
     """
     check_decode(q, k_cache, v_cache, sums, cache_seqlens, cfg)
-    _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps)
+    _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps, num_stages)
     B, _, HQ, D = q.shape
     T_max, HKV = k_cache.shape[1], k_cache.shape[2]
     G, C, g = HQ // HKV, cfg.block_size, cfg.branching
@@ -368,21 +437,23 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return (o, lse, block_idx) if return_block_idx else (o, lse)
 
     es = k_cache.element_size()
-    # Pipelined copies of the child-sum tile, the parent's leaf keys and a K/V block must fit
-    # shared memory (227 KB a block on the H100 / H200).
-    stage_bytes = 2 * g * WP * D * 4 + g * C * D * es + 2 * C * D * es
+    stages = num_stages or _NUM_STAGES
     _decode_kernel[(B, HKV, splits)](
         q, k_cache, v_cache, sums, cache_seqlens, out, out_lse, block_idx,
-        T_max, n_leaves, offsets[-1], n_levels, g ** max(n_levels - 2, 0), cfg.scale,
-        cfg.scale * _LOG2E,
+        T_max, n_leaves, max(n_levels - 2, 0), cfg.scale, cfg.scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3],
         *v_cache.stride()[:3], sums.stride(0), sums.stride(1), sums.stride(2),
         *o_strides, *l_strides, block_idx.stride(0), block_idx.stride(2),
-        G=G, ROWS=max(_pow2(G), _MIN_ROWS), D=D, C=C, G_BR=g, W=W, WP=WP,
+        G=G, ROWS=max(_pow2(G), _MIN_ROWS), D=D, C=C, LOG_C=C.bit_length() - 1, G_BR=g,
+        LOG_G=g.bit_length() - 1, W=W, WP=WP,
         KS=min(2 * g * WP, _pow2(cfg.topk)), TOPK=cfg.topk, IN_BUDGET=cfg.forced_in_budget,
         SLOTS=slots, SP=_pow2(slots), KPS=kps, WRITE_IDX=return_block_idx,
-        F32_PREC=_F32_PRECISION, num_warps=num_warps or _NUM_WARPS,
-        num_stages=max(1, min(3, 200_000 // stage_bytes)))
+        F32_PREC=_F32_PRECISION,
+        # tiles: a level's candidates' fp32 child sums, a parent's leaf keys, a block's K and V
+        CHILD_STAGES=_stages(stages, 2 * g * WP * D * 4, g),
+        LEAF_STAGES=_stages(stages, g * C * D * es, WP + 3),
+        ATTN_STAGES=_stages(stages, 2 * C * D * es, kps),
+        num_warps=num_warps or _NUM_WARPS, num_stages=stages)
     if splits > 1:
         _combine_kernel[(B, HQ)](out, out_lse, o, lse, HQ, o.stride(0), o.stride(2),
                                  SPLITS=splits, SPP=_pow2(splits), D=D, num_warps=4)

@@ -17,6 +17,18 @@ inputs the selections equal ``naive_select``'s exactly.
   The leaf stage loads each kept parent's ``g * C`` keys once and scores all ``G`` heads with one
   ``tl.dot``; the token's best free blocks (``tl.topk`` again) are sorted by index and written
   around the forced ones. A beam as wide as the block count prunes nothing: the flat kernel runs.
+- ``variant="fused_fast"``: the same program with a faster walk (``_walk``'s ``SKIP`` / ``QT``): the
+  top levels whose causal nodes all fit the beam are not visited (their beam follows from the
+  query position), and a level is scored with ``means @ q^T`` (the 64 candidate rows fill a Hopper
+  warpgroup MMA, the 16 query rows do not) from 16-bit head + residual means precomputed per call.
+- ``variant="csc"``: three launches and a sort. (1) ``_pyramid_walk_kernel``: the fast walk, one
+  program per (query, KV head), writes each query's level-2 parents of its leaf candidates as
+  sort keys (head, chunk of ``leaf_chunk`` queries, parent). (2) ``torch.sort`` groups the
+  (query, parent) pairs by key, ``searchsorted`` finds the groups. (3) ``_leaf_groups_kernel``: a
+  program per group loads the parent's ``g * C`` keys once and scores them against its queries
+  ``leaf_pairs`` at a time, gathering their ``G`` query rows (``[PB * G, D] x [D, g * C]`` dots):
+  per (query, parent) pair ~4 KB of queries move instead of 32 KB of keys. (4) ``_leaf_topk_kernel``
+  picks each query's best free leaves. Same selections as ``"fused"``.
 - ``select_triton(selector="flat_lse" | "flat_mean")``: a program per (tile of queries, KV head,
   batch) streams over the causal blocks with ``[tile * G, D] x [D, blocks]`` dots and keeps each
   query's top-K online in registers; no score matrix ever reaches memory.
@@ -52,6 +64,8 @@ from .pyramid import Pyramid, level_offsets
 from .utils import SelectConfig, cdiv
 
 _SCORER_ID = {"lse": 0, "mean": 1, "meanvar": 2}
+# Implementations of the pyramid selector (select_triton's ``variant``), all with one result.
+VARIANTS = ("fused", "fused_fast", "csc")
 # Smallest int64: the key of an empty / invalid candidate, below every real score.
 _KEY_NONE = tl.constexpr(-(2 ** 63))
 # fp32 inputs are a testing path: keep their dots exact rather than fast (tf32 would reorder
@@ -179,14 +193,22 @@ def _dot_nt(b_q, b_x, F32_PREC: tl.constexpr):
 def _dot_nt_f32(b_q, b_x, F32_PREC: tl.constexpr):
     """``b_q [M, DP] @ b_x[N, DP]^T`` for fp32 ``b_x`` (pooled means) at ~fp32 accuracy: against
     16-bit queries ``b_x`` is split into a 16-bit head and a 16-bit residual (two exact-product
-    dots) instead of being rounded once."""
+    dots) instead of being rounded once. ``b_x`` already in ``b_q``'s 16-bit dtype: one dot."""
     if b_q.dtype == tl.float32:
         b_z = tl.dot(b_q, tl.trans(b_x), input_precision=F32_PREC)
+    elif b_x.dtype == b_q.dtype:  # means stored in the input dtype (walk_means="input")
+        b_z = tl.dot(b_q, tl.trans(b_x))
     else:
         b_hi = b_x.to(b_q.dtype)
-        b_lo = (b_x - b_hi.to(tl.float32)).to(b_q.dtype)
-        b_z = tl.dot(b_q, tl.trans(b_hi)) + tl.dot(b_q, tl.trans(b_lo))
+        b_z = _dot_nt_split(b_q, b_hi, (b_x - b_hi.to(tl.float32)).to(b_q.dtype))
     return b_z
+
+
+@triton.jit
+def _dot_nt_split(b_q, b_hi, b_lo):
+    """``b_q @ (b_hi + b_lo)^T`` in fp32 for 16-bit ``b_q`` and an fp32 matrix split into 16-bit
+    head and residual."""
+    return tl.dot(b_q, tl.trans(b_hi)) + tl.dot(b_q, tl.trans(b_lo))
 
 
 @triton.jit
@@ -214,11 +236,25 @@ def _token_sums(b_x, m_row, BT: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
+def _per_node(x, QT: tl.constexpr):
+    """A per-node vector ``[N]`` shaped to broadcast against ``[M, N]`` scores (``[N, M]``: QT)."""
+    if QT:
+        y = x[:, None]
+    else:
+        y = x[None, :]
+    return y
+
+
+@triton.jit
 def _child_scores(b_q, o_node, m_node, p_child, s_cn, p_ccount, n_child, scale,
                   CHILDREN: tl.constexpr, SCORER: tl.constexpr, DP: tl.constexpr, D: tl.constexpr,
-                  F32_PREC: tl.constexpr):
+                  LO: tl.constexpr, QT: tl.constexpr, F32_PREC: tl.constexpr):
     """Per query row scores ``[M, N]`` of nodes ``o_node [N]`` from their ``CHILDREN`` children's
     means (rows ``o_node * CHILDREN + c`` of ``p_child``) weighted by the children's counts.
+    ``LO > 0``: the rows hold the 16-bit heads of fp32 means, their residuals ``LO`` elements on.
+    ``QT``: scores come transposed, ``[N, M]``, from ``means @ q^T`` (the ``N`` candidates as the
+    dot's rows: 64 rows at W = 16, g = 2 fill a Hopper warpgroup MMA; the 16 query rows of
+    ``q @ means^T`` do not). Means must then be fp32 with fp32 queries, else 16-bit (``LO``).
 
     lse: ``log sum_c n_c exp(z_c)`` (online, max-shift added back); mean / meanvar: count-weighted
     Welford mean and variance of ``z_c``. A child past ``n_child`` has count 0 and no weight.
@@ -226,20 +262,33 @@ def _child_scores(b_q, o_node, m_node, p_child, s_cn, p_ccount, n_child, scale,
     o_d = tl.arange(0, DP)
     M: tl.constexpr = b_q.shape[0]
     N: tl.constexpr = o_node.shape[0]
-    b_a = tl.full([M, N], float("-inf"), dtype=tl.float32)  # lse: running max; else: running mean
-    b_b = tl.zeros([M, N], dtype=tl.float32)  # lse: running sum; else: running M2
+    if QT:
+        b_a = tl.full([N, M], float("-inf"), dtype=tl.float32)
+    else:
+        b_a = tl.full([M, N], float("-inf"), dtype=tl.float32)  # lse: running max; else: mean
+    b_b = tl.zeros_like(b_a)  # lse: running sum; else: running M2
     b_w = tl.zeros([N], dtype=tl.float32)  # total count so far (mean / meanvar)
     if SCORER != 0:
-        b_a = tl.zeros([M, N], dtype=tl.float32)
+        b_a = tl.zeros_like(b_a)
     for c in range(0, CHILDREN):  # a runtime loop: one child tile live at a time
         o_c = o_node * CHILDREN + c
         m_c = m_node & (o_c < n_child)
         p = p_child + o_c.to(tl.int64)[:, None] * s_cn + o_d[None, :]
         b_m = tl.load(p, mask=m_c[:, None] & (o_d < D)[None, :], other=0.)
         b_n = tl.load(p_ccount + o_c, mask=m_c, other=0).to(tl.float32)
-        b_z = _dot_nt_f32(b_q, b_m, F32_PREC) * scale  # [M, N]
+        if QT:
+            b_z = _dot_nt(b_m, b_q, F32_PREC)
+            if LO > 0:
+                b_z += _dot_nt(tl.load(p + LO, mask=m_c[:, None] & (o_d < D)[None, :], other=0.),
+                               b_q, F32_PREC)
+            b_z = b_z * scale  # [N, M]
+        elif LO > 0:
+            b_lo = tl.load(p + LO, mask=m_c[:, None] & (o_d < D)[None, :], other=0.)
+            b_z = _dot_nt_split(b_q, b_m, b_lo) * scale  # [M, N]
+        else:
+            b_z = _dot_nt_f32(b_q, b_m, F32_PREC) * scale
         if SCORER == 0:
-            b_x = tl.where(b_n[None, :] > 0, b_z + tl.log(tl.maximum(b_n, 1.))[None, :],
+            b_x = tl.where(_per_node(b_n, QT) > 0, b_z + _per_node(tl.log(tl.maximum(b_n, 1.)), QT),
                            float("-inf"))
             b_max = tl.maximum(b_a, b_x)
             b_shift = tl.where(b_max == float("-inf"), 0., b_max)
@@ -249,16 +298,50 @@ def _child_scores(b_q, o_node, m_node, p_child, s_cn, p_ccount, n_child, scale,
             b_wn = b_w + b_n
             b_f = tl.where(b_wn > 0, b_n / tl.maximum(b_wn, 1.), 0.)
             b_delta = b_z - b_a
-            b_a = b_a + b_delta * b_f[None, :]
-            b_b = b_b + b_n[None, :] * b_delta * (b_z - b_a)
+            b_a = b_a + b_delta * _per_node(b_f, QT)
+            b_b = b_b + _per_node(b_n, QT) * b_delta * (b_z - b_a)
             b_w = b_wn
     if SCORER == 0:
         b_s = b_a + tl.log(tl.maximum(b_b, 1.))  # >= 1 for a node with a child: exp(max - max)
     elif SCORER == 1:
         b_s = b_a
     else:
-        b_s = b_a + 0.5 * b_b / tl.maximum(b_w, 1.)[None, :]
+        b_s = b_a + 0.5 * b_b / _per_node(tl.maximum(b_w, 1.), QT)
     return b_s
+
+
+@triton.jit
+def _pair_lse_scores(b_q, o_node, m_node, p_child, s_cn, p_ccount, n_child, scale,
+                     D: tl.constexpr, LO: tl.constexpr, F32_PREC: tl.constexpr):
+    """``_child_scores(QT=True)`` for the lse scorer and two children, in closed form:
+    ``log(n_0 e^z_0 + n_1 e^z_1) = hi + log(1 + e^(lo - hi))`` with ``hi, lo`` the larger and
+    smaller of ``z_c + log n_c`` (one exp2 and one log2 per score instead of the online update's
+    four exps and a libdevice log). Returns ``[N, M]``."""
+    DP: tl.constexpr = b_q.shape[1]
+    o_d = tl.arange(0, DP)
+    o_c = o_node * 2
+    m_c0 = m_node & (o_c < n_child)
+    m_c1 = m_node & (o_c + 1 < n_child)
+    p = p_child + o_c.to(tl.int64)[:, None] * s_cn + o_d[None, :]
+    b_x0 = _child_logits(b_q, p, m_c0, o_d < D, p_ccount + o_c, scale, LO, F32_PREC)
+    b_x1 = _child_logits(b_q, p + s_cn, m_c1, o_d < D, p_ccount + o_c + 1, scale, LO, F32_PREC)
+    b_hi = tl.maximum(b_x0, b_x1)
+    b_d = tl.minimum(b_x0, b_x1) - tl.where(b_hi > float("-inf"), b_hi, 0.)  # no child: -inf
+    return b_hi + tl.log2(1. + tl.exp2(b_d * 1.4426950408889634)) * 0.6931471805599453
+
+
+@triton.jit
+def _child_logits(b_q, p, m_c, m_d, p_n, scale, LO: tl.constexpr, F32_PREC: tl.constexpr):
+    """``[N, M]``: ``scale * mean_c . q + log n_c`` of one child per node (means at ``p [N, DP]``
+    for the nodes ``m_c`` and dims ``m_d``; 16-bit head and residual ``LO`` on when ``LO > 0``),
+    ``-inf`` for a missing child."""
+    m_p = m_c[:, None] & m_d[None, :]
+    b_z = _dot_nt(tl.load(p, mask=m_p, other=0.), b_q, F32_PREC)
+    if LO > 0:
+        b_z += _dot_nt(tl.load(p + LO, mask=m_p, other=0.), b_q, F32_PREC)
+    b_n = tl.load(p_n, mask=m_c, other=0).to(tl.float32)
+    return tl.where(b_n[:, None] > 0, b_z * scale + tl.log(tl.maximum(b_n, 1.))[:, None],
+                    float("-inf"))
 
 
 @triton.jit
@@ -279,6 +362,33 @@ def _key_scores(b_z, m_z, n, SCORER: tl.constexpr):
 
 
 @triton.jit
+def _leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C: tl.constexpr, CP: tl.constexpr, DP: tl.constexpr,
+               D: tl.constexpr):
+    """The keys ``[L * CP, DP]`` of the full leaf blocks ``o_leaf [L]`` (``CP > C`` pads with zero
+    rows, for 16-column dots). Leaves outside ``m_leaf`` are not loaded (zeros)."""
+    L: tl.constexpr = o_leaf.shape[0]
+    o_c = tl.arange(0, CP)
+    o_d = tl.arange(0, DP)
+    m_key = m_leaf[:, None] & (o_c < C)[None, :]  # [L, CP]
+    o_key = tl.reshape(o_leaf[:, None] * C + o_c[None, :], [L * CP])
+    p = p_kh + o_key.to(tl.int64)[:, None] * s_kt + o_d[None, :]
+    return tl.load(p, mask=tl.reshape(m_key, [L * CP])[:, None] & (o_d < D)[None, :], other=0.)
+
+
+@triton.jit
+def _leaf_scores(b_q, m_row, b_k, scale, BT: tl.constexpr, GP: tl.constexpr, C: tl.constexpr,
+                 CP: tl.constexpr, SCORER: tl.constexpr, F32_PREC: tl.constexpr):
+    """Scores ``[BT, L]`` of the leaves whose keys ``_leaf_keys`` loaded into ``b_k [L * CP, DP]``,
+    for the ``BT`` tokens of the query rows ``b_q [BT * GP, DP]``: one dot, then per block and
+    row ``_key_scores``, summed over each token's heads."""
+    M: tl.constexpr = b_q.shape[0]
+    L: tl.constexpr = b_k.shape[0] // CP
+    o_c = tl.arange(0, CP)
+    b_z = tl.reshape(_dot_nt(b_q, b_k, F32_PREC) * scale, [M, L, CP])
+    return _token_sums(_key_scores(b_z, (o_c < C)[None, None, :], C, SCORER), m_row, BT, GP)
+
+
+@triton.jit
 def _leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
                      BT: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
                      DP: tl.constexpr, D: tl.constexpr, SCORER: tl.constexpr,
@@ -286,16 +396,8 @@ def _leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
     """Exact scores ``[BT, L]`` of the full leaf blocks ``o_leaf [L]`` (siblings) for every token of
     the tile, from their keys: one ``[L * C, D]`` load and one dot against all ``BT * G`` query
     rows. Leaves outside ``m_leaf`` are not loaded and score garbage."""
-    L: tl.constexpr = o_leaf.shape[0]
-    M: tl.constexpr = b_q.shape[0]
-    o_c = tl.arange(0, CP)
-    o_d = tl.arange(0, DP)
-    m_key = m_leaf[:, None] & (o_c < C)[None, :]  # [L, CP]; CP > C pads the dot to 16 columns
-    o_key = tl.reshape(o_leaf[:, None] * C + o_c[None, :], [L * CP])
-    p = p_kh + o_key.to(tl.int64)[:, None] * s_kt + o_d[None, :]
-    b_k = tl.load(p, mask=tl.reshape(m_key, [L * CP])[:, None] & (o_d < D)[None, :], other=0.)
-    b_z = tl.reshape(_dot_nt(b_q, b_k, F32_PREC) * scale, [M, L, CP])
-    return _token_sums(_key_scores(b_z, (o_c < C)[None, None, :], C, SCORER), m_row, BT, GP)
+    b_k = _leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C, CP, DP, D)
+    return _leaf_scores(b_q, m_row, b_k, scale, BT, GP, C, CP, SCORER, F32_PREC)
 
 
 @triton.jit
@@ -369,6 +471,70 @@ def _candidates(b_rest, n_rest, c0, c1, span_up, G_BR: tl.constexpr, GBP: tl.con
 
 
 @triton.jit
+def _walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, c0, c1, t_last, scale,
+          C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr,
+          WP: tl.constexpr, SCORER: tl.constexpr, DP: tl.constexpr, D: tl.constexpr,
+          LO: tl.constexpr, SKIP: tl.constexpr, QT: tl.constexpr, F32_PREC: tl.constexpr):
+    """The internal levels of the walk, from the root's children down to level 2, for the query
+    rows ``b_q`` (``m_row``: the real ones) of a tile whose tokens lie in leaves ``c0..c1``
+    (``t_last`` its last position). Returns ``b_rest [WP]``, the kept non-forced level-2 nodes
+    (``n_rest`` of them, best first).
+
+    A level's candidates (``_candidates``, ``NX`` slots) are the children of the kept nodes above
+    plus the non-forced causal children of the forced nodes above; forced nodes themselves are
+    never carried, their indices follow from the tile's position. A level with at most ``W``
+    candidates is not scored (all are kept).
+
+    ``SKIP``: the top levels where that holds are not visited. Down to the first level with more
+    than ``W`` candidates, every level's candidates are all its non-forced causal nodes: with
+    ``a(x) = x // span`` (``span >= 2`` leaves a node), the forced nodes ``a(c0 - 1) .. a(c1)`` are
+    the last causal ones and node 0, so the candidates are nodes ``1 .. a(c0 - 1) - 1``, in index
+    order (the order an unscored level's top-W leaves them in)."""
+    NX: tl.constexpr = 2 * GBP * WP
+    b_rest = tl.zeros([WP], dtype=tl.int32)
+    n_rest = 0
+    span = top_span  # leaves under a node of the level being ranked
+    i0 = 0
+    if SKIP:
+        n_next = tl.maximum(tl.maximum(c0 - 1, 0) // span - 1, 0)  # candidates of level i0
+        while (i0 < n_levels - 2) & (n_next <= W):
+            n_rest = n_next
+            i0 += 1
+            span = span // G_BR
+            n_next = tl.maximum(tl.maximum(c0 - 1, 0) // span - 1, 0)
+        b_rest = tl.arange(0, WP) + 1
+    for i in range(i0, n_levels - 2):
+        lvl = n_levels - 1 - i
+        o_x, m_x = _candidates(b_rest, n_rest, c0, c1, span * G_BR, G_BR, GBP, WP)
+        # Drop forced and future nodes (only children of forced nodes can be either).
+        m_x = m_x & (o_x * span * C <= t_last) & (o_x != 0) \
+            & (o_x != tl.maximum(c0 - 1, 0) // span) & (o_x != c0 // span) & (o_x != c1 // span)
+        n_cand = tl.sum(m_x.to(tl.int32))
+        # Unscored candidates rank by node index, which keeps all of them (n_cand <= W).
+        b_s = tl.zeros([NX], dtype=tl.float32)
+        if n_cand > W:
+            lo = tl.load(p_off + lvl - 2)
+            n_child = tl.load(p_off + lvl - 1) - lo
+            if QT and SCORER == 0 and G_BR == 2:
+                b_sm = _pair_lse_scores(b_q, o_x, m_x, p_mh + lo.to(tl.int64) * s_mn, s_mn,
+                                        p_counts + lo, n_child, scale, D, LO, F32_PREC)
+            else:
+                b_sm = _child_scores(b_q, o_x, m_x, p_mh + lo.to(tl.int64) * s_mn, s_mn,
+                                     p_counts + lo, n_child, scale, G_BR, SCORER, DP, D, LO, QT,
+                                     F32_PREC)
+            if QT:  # [NX, BT * GP]
+                b_s = tl.sum(tl.where(m_row[None, :], b_sm, 0.), axis=1)
+            else:  # [BT * GP, NX]
+                b_s = tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
+        # The W best (slots >= n_rest are dropped by _candidates), best first.
+        b_top = tl.topk(tl.where(m_x, _pack(b_s, o_x), _KEY_NONE), WP)
+        b_rest = tl.where(b_top != _KEY_NONE, _unpack_idx(b_top), 0)
+        n_rest = tl.minimum(n_cand, W)
+        span = span // G_BR
+    return b_rest, n_rest
+
+
+@triton.jit
 def _pyramid_select_kernel(
         p_q, p_k, p_means, p_counts, p_off, p_sub, p_sub_counts, p_idx, p_cnt,
         Tq, Tk, n_levels, top_span, scale,
@@ -378,14 +544,11 @@ def _pyramid_select_kernel(
         C: tl.constexpr, CP: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr,
         W: tl.constexpr, WP: tl.constexpr, KS: tl.constexpr,
         TOPK: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, IN_BUDGET: tl.constexpr,
-        SCORER: tl.constexpr, SUB: tl.constexpr, F32_PREC: tl.constexpr):
-    """Walk + leaf ranking for the ``BT`` queries of tile ``i_t`` (``BT == 1``: the oracle's walk).
-
-    Register state between levels: ``b_rest [WP]``, the kept non-forced nodes (``n_rest`` of them,
-    best first) of the level above. A level's candidates (``_candidates``, ``NX`` slots) are
-    their children plus the non-forced causal children of the forced nodes above; forced nodes
-    themselves are never carried, their indices follow from the tile's position.
-    """
+        SCORER: tl.constexpr, SUB: tl.constexpr, LO: tl.constexpr, FAST: tl.constexpr,
+        F32_PREC: tl.constexpr):
+    """Walk (``_walk``) + leaf ranking for the ``BT`` queries of tile ``i_t`` (``BT == 1``: the
+    oracle's walk), in one program: ``variant="fused"``; ``FAST``: ``"fused_fast"`` (the walk skips
+    the unscored top levels and scores with transposed dots)."""
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NA: tl.constexpr = GBP * WP
     NX: tl.constexpr = 2 * NA
@@ -403,29 +566,9 @@ def _pyramid_select_kernel(
     p_mh = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh
 
     o_w = tl.arange(0, WP)
-    b_rest = tl.zeros([WP], dtype=tl.int32)
-    n_rest = 0
-    span = top_span  # leaves under a node of the level being ranked
-    for i in range(0, n_levels - 2):
-        lvl = n_levels - 1 - i
-        o_x, m_x = _candidates(b_rest, n_rest, c0, c1, span * G_BR, G_BR, GBP, WP)
-        # Drop forced and future nodes (only children of forced nodes can be either).
-        m_x = m_x & (o_x * span * C <= t_last) & (o_x != 0) \
-            & (o_x != tl.maximum(c0 - 1, 0) // span) & (o_x != c0 // span) & (o_x != c1 // span)
-        n_cand = tl.sum(m_x.to(tl.int32))
-        # Unscored candidates rank by node index, which keeps all of them (n_cand <= W).
-        b_s = tl.zeros([NX], dtype=tl.float32)
-        if n_cand > W:
-            lo = tl.load(p_off + lvl - 2)
-            n_child = tl.load(p_off + lvl - 1) - lo
-            b_sm = _child_scores(b_q, o_x, m_x, p_mh + lo.to(tl.int64) * s_mn, s_mn, p_counts + lo,
-                                 n_child, scale, G_BR, SCORER, DP, D, F32_PREC)  # [BT * GP, NX]
-            b_s = tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
-        # The W best (slots >= n_rest are dropped by _candidates), best first.
-        b_top = tl.topk(tl.where(m_x, _pack(b_s, o_x), _KEY_NONE), WP)
-        b_rest = tl.where(b_top != _KEY_NONE, _unpack_idx(b_top), 0)
-        n_rest = tl.minimum(n_cand, W)
-        span = span // G_BR
+    b_rest, n_rest = _walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, c0, c1,
+                           t_last, scale, C, G_BR, GBP, W, WP, SCORER, DP, D, LO, FAST, FAST,
+                           F32_PREC)
 
     # Leaf candidates, as above; each token keeps those in its own free range [1, cur - 2].
     o_x, m_x = _candidates(b_rest, n_rest, c0, c1, G_BR, G_BR, GBP, WP)
@@ -435,7 +578,7 @@ def _pyramid_select_kernel(
         n_sub = (Tk + C // SUB - 1) // (C // SUB)
         m_any = tl.max(m_free.to(tl.int32), axis=0) > 0
         b_sm = _child_scores(b_q, o_x, m_any, p_uh, s_un, p_sub_counts, n_sub, scale,
-                             SUB, SCORER, DP, D, F32_PREC)
+                             SUB, SCORER, DP, D, 0, False, F32_PREC)
         b_s = _token_sums(b_sm, m_row, BT, GP)  # [BT, NX]
     else:
         # One load and one dot per parent (its G_BR children together). Scores land in the
@@ -463,6 +606,120 @@ def _pyramid_select_kernel(
                          [BT, NX])
 
     b_top = tl.topk(tl.where(m_free, _pack(b_s, o_x[None, :]), _KEY_NONE), KS)  # [BT, KS]
+    _store_selection(p_idx, p_cnt, i_b, i_h, t0, cur, m_tok, b_top, s_ib, s_it, s_ih, s_cb, s_ct,
+                     TOPK, IN_BUDGET, SLOTS, SP)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels: pyramid selection in three launches and a sort (variant="csc")
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _pyramid_walk_kernel(
+        p_q, p_means, p_counts, p_off, p_key,
+        Tq, Tk, n_levels, top_span, scale, n_par, n_chunk, chunk,
+        s_qb, s_qt, s_qh, s_mb, s_mn, s_mh,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr,
+        G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+        S: tl.constexpr, SCORER: tl.constexpr, LO: tl.constexpr, KEY_NONE: tl.constexpr,
+        F32_PREC: tl.constexpr):
+    """The internal levels of query ``i_t``'s walk (``_walk``); writes the level-2 parents of its
+    leaf candidates into its ``S = WP + 3`` slots of ``p_key [B, Tq, HKV, S]``: the ``n_rest`` kept
+    nodes, then the (up to 3) forced level-2 nodes that have a free child. A slot holds the sort key
+    ``((b * HKV + h) * n_chunk + i_t // chunk) * n_par + parent``, or ``KEY_NONE`` when empty."""
+    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    HKV = tl.num_programs(1)
+    b_q, m_row = _load_queries(p_q, i_b, i_h, i_t, Tq, s_qb, s_qt, s_qh, G, GP, 1, D, DP)
+    t_abs = Tk - Tq + i_t
+    cur = t_abs // C
+    p_mh = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh
+    b_rest, n_rest = _walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, cur, cur,
+                           t_abs, scale, C, G_BR, GBP, W, WP, SCORER, DP, D, LO, True, True,
+                           F32_PREC)
+
+    base = ((i_b * HKV + i_h) * n_chunk + i_t // chunk).to(tl.int64) * n_par
+    p_row = p_key + ((i_b * Tq + i_t) * HKV + i_h).to(tl.int64) * S
+    o_w = tl.arange(0, WP)
+    b_key = tl.where(o_w < n_rest, base + b_rest, KEY_NONE)
+    tl.store(p_row + o_w, b_key.to(p_key.dtype.element_ty))
+    o_f = tl.arange(0, 4)
+    par, new = _forced_parents(o_f, cur, cur, G_BR)  # slot 3 repeats slot 2 (c1 == c0)
+    b_key = tl.where(new & (par * G_BR <= cur - 2), base + par, KEY_NONE)
+    tl.store(p_row + WP + o_f, b_key.to(p_key.dtype.element_ty), mask=o_f < 3)
+
+
+@triton.jit
+def _leaf_groups_kernel(
+        p_q, p_k, p_start, p_pair, p_score, Tq, Tk, HKV, n_chunk, n_par, scale,
+        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+        PB: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+        C: tl.constexpr, CP: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, S: tl.constexpr,
+        SCORER: tl.constexpr, F32_PREC: tl.constexpr):
+    """Exact scores of the leaves of level-2 node ``i_par`` of (batch, KV head) ``i_bh`` for the
+    queries of chunk ``i_c`` that reached it: the pairs with sort key
+    ``(i_bh * n_chunk + i_c) * n_par + i_par``, entries ``[start, end)`` of the sorted pair ids
+    ``p_pair`` (``u * S + slot``, ``u = (b * Tq + t) * HKV + h``). Pair id ``x`` gets
+    ``p_score[x, c]``, the group score of child ``c``.
+
+    The node's ``G_BR * C`` keys are loaded once; its queries come ``PB`` at a time (``PB * G``
+    gathered rows, 4 KB a query at G=16, D=128, 16-bit) against them in one dot."""
+    i_par, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_key = (i_bh * n_chunk + i_c) * n_par + i_par
+    start = tl.load(p_start + i_key)
+    end = tl.load(p_start + i_key + 1)
+    if start < end:
+        i_b = i_bh // HKV
+        i_h = i_bh % HKV
+        o_c = tl.arange(0, GBP)
+        o_leaf = i_par * G_BR + o_c
+        # Leaves past the end (children of forced parents) are never free: skip their loads.
+        m_leaf = (o_c < G_BR) & ((o_leaf + 1) * C <= Tk)
+        b_k = _leaf_keys(p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh, s_kt, o_leaf, m_leaf,
+                         C, CP, DP, D)  # [GBP * CP, DP]
+        o_g = tl.arange(0, GP)
+        o_d = tl.arange(0, DP)
+        p_qh = p_q + i_b.to(tl.int64) * s_qb + (i_h * G + o_g)[:, None] * s_qh + o_d[None, :]
+        m_qh = (o_g < G)[:, None] & (o_d < D)[None, :]  # [GP, DP]
+        for r0 in range(start, end, PB):
+            o_r = r0 + tl.arange(0, PB)
+            m_r = o_r < end
+            b_pair = tl.load(p_pair + o_r, mask=m_r, other=0)
+            b_t = (b_pair // S // HKV % Tq).to(tl.int64)
+            b_q = tl.load(p_qh[None, :, :] + b_t[:, None, None] * s_qt,
+                          mask=m_r[:, None, None] & m_qh[None, :, :], other=0.)  # [PB, GP, DP]
+            m_row = tl.reshape(m_r[:, None] & (o_g < G)[None, :], [PB * GP])
+            b_s = _leaf_scores(tl.reshape(b_q, [PB * GP, DP]), m_row, b_k, scale, PB, GP, C, CP,
+                               SCORER, F32_PREC)  # [PB, GBP]
+            tl.store(p_score + b_pair[:, None] * GBP + o_c[None, :], b_s,
+                     mask=m_r[:, None] & (o_c < G_BR)[None, :])
+
+
+@triton.jit
+def _leaf_topk_kernel(
+        p_key, p_score, p_idx, p_cnt, Tq, Tk, n_par,
+        s_ib, s_it, s_ih, s_cb, s_ct,
+        BT: tl.constexpr, C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr,
+        S: tl.constexpr, SPP: tl.constexpr, KS: tl.constexpr, TOPK: tl.constexpr,
+        SLOTS: tl.constexpr, SP: tl.constexpr, IN_BUDGET: tl.constexpr,
+        KEY_NONE: tl.constexpr):
+    """Each of the ``BT`` tokens of tile ``i_t`` keeps its best free leaves among the children of
+    its ``S`` parent slots (scores from ``_leaf_groups_kernel``) and writes its row."""
+    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    HKV = tl.num_programs(1)
+    t0 = i_t * BT
+    o_bt = tl.arange(0, BT)
+    m_tok = t0 + o_bt < Tq
+    cur = (Tk - Tq + t0 + o_bt) // C
+    o_s = tl.arange(0, SPP)
+    o_c = tl.arange(0, GBP)
+    b_pair = ((i_b * Tq + t0 + o_bt) * HKV + i_h).to(tl.int64)[:, None] * S + o_s[None, :]
+    b_key = tl.load(p_key + b_pair, mask=m_tok[:, None] & (o_s < S)[None, :], other=KEY_NONE)
+    o_leaf = (b_key % n_par).to(tl.int32)[:, :, None] * G_BR + o_c[None, None, :]  # [BT, SPP, GBP]
+    m_free = (b_key != KEY_NONE)[:, :, None] & (o_c < G_BR)[None, None, :] & (o_leaf >= 1) \
+        & (o_leaf <= cur[:, None, None] - 2)
+    b_s = tl.load(p_score + b_pair[:, :, None] * GBP + o_c[None, None, :], mask=m_free, other=0.)
+    b_x = tl.where(m_free, _pack(b_s, o_leaf), _KEY_NONE)
+    b_top = tl.topk(tl.reshape(b_x, [BT, SPP * GBP]), KS)  # [BT, KS]
     _store_selection(p_idx, p_cnt, i_b, i_h, t0, cur, m_tok, b_top, s_ib, s_it, s_ih, s_cb, s_ct,
                      TOPK, IN_BUDGET, SLOTS, SP)
 
@@ -596,26 +853,49 @@ def _check_pyramid(pyramid: Pyramid, k: torch.Tensor, cfg: SelectConfig) -> None
         raise ValueError("pyramid must live on k's device")
 
 
-def _launch_select_pyramid(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
-                           walk_tile: int, leaf_sub_blocks: int, num_warps: int | None,
-                           num_stages: int | None):
-    B, Tq, HQ, D = q.shape
-    Tk, HKV = k.shape[1], k.shape[2]
-    G, C, g = HQ // HKV, cfg.block_size, cfg.branching
-    BT = walk_tile
-    n_leaves = cdiv(Tk, C)
-    W = min(cfg.beam, n_leaves)  # no level has more candidates than leaves
-    GBP = _pow2(g)
+def _beam_geometry(cfg: SelectConfig, Tk: int) -> tuple[int, int, int]:
+    """``(W, GBP, WP)``: the beam (at most the leaf count: no level has more candidates), the
+    padded branching and the padded beam of the walk's register tiles."""
+    n_leaves = cdiv(Tk, cfg.block_size)
+    W = min(cfg.beam, n_leaves)
+    GBP = _pow2(cfg.branching)
     # GBP * WP slots hold the children of the 4 forced parents and >= 8 columns (x2) for tl.dot.
     WP = max(_pow2(W), 4, cdiv(8, GBP))
     if 2 * GBP * WP > 1024:  # [NX, D] candidate tiles: wider ones spill and crawl
         raise ValueError(f"beam={cfg.beam} is too wide for the Triton pyramid kernel at "
-                         f"branching={g}: use beam <= {512 // GBP}, or beam >= the number of "
-                         f"leaf blocks ({n_leaves}), which is the exact flat scan")
+                         f"branching={cfg.branching}: use beam <= {512 // GBP}, or beam >= the "
+                         f"number of leaf blocks ({n_leaves}), which is the exact flat scan")
+    return W, GBP, WP
+
+
+def _walk_means(pyramid: Pyramid, q: torch.Tensor, walk_means: str) -> tuple[torch.Tensor, int]:
+    """The means the walk reads ``[B, N, HKV, D]`` and the kernels' ``LO``. Against 16-bit queries:
+    ``"split"``: fp32 means as their 16-bit head with its 16-bit residual ``LO = D`` elements on
+    (same products as the in-kernel split of ``"fp32"``, done once per call); ``"input"``: rounded
+    once to the queries' dtype (half the bytes, one dot; not exact against the fp64 oracle)."""
+    means = pyramid.means
+    if walk_means == "fp32" or q.dtype == torch.float32:
+        return means, 0
+    hi = means.to(q.dtype)
+    if walk_means == "input":
+        return hi, 0
+    lo = (means - hi.float()).to(q.dtype)
+    return torch.stack([hi, lo], dim=3)[:, :, :, 0], means.shape[-1]  # [B, N, HKV, (2,) D]
+
+
+def _launch_select_pyramid(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
+                           walk_tile: int, leaf_sub_blocks: int, walk_means: str, fast: bool,
+                           num_warps: int | None, num_stages: int | None):
+    B, Tq, HQ, D = q.shape
+    Tk, HKV = k.shape[1], k.shape[2]
+    G, C, g = HQ // HKV, cfg.block_size, cfg.branching
+    BT = walk_tile
+    W, GBP, WP = _beam_geometry(cfg, Tk)
     GP = max(_pow2(G), cdiv(16, BT))  # BT * GP >= 16 rows for tl.dot
     n_levels = pyramid.n_levels
     top_span = g ** (n_levels - 2) if n_levels >= 2 else 1
     off = torch.tensor(pyramid.offsets, dtype=torch.int32, device=q.device)
+    means, LO = _walk_means(pyramid, q, walk_means)
     sub, sub_counts = pyramid.means, pyramid.counts
     if leaf_sub_blocks:
         sub, sub_counts = _launch_pyramid_build(k, C // leaf_sub_blocks, 2,
@@ -630,10 +910,10 @@ def _launch_select_pyramid(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx,
         num_stages = max(1, min(3, 200_000 // stage_bytes))
     grid = (cdiv(Tq, BT), HKV, B)
     _pyramid_select_kernel[grid](
-        q, k, pyramid.means, pyramid.counts, off, sub, sub_counts, block_idx, counts,
+        q, k, means, pyramid.counts, off, sub, sub_counts, block_idx, counts,
         Tq, Tk, n_levels, top_span, cfg.scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        pyramid.means.stride(0), pyramid.means.stride(1), pyramid.means.stride(2),
+        means.stride(0), means.stride(1), means.stride(2),
         sub.stride(0), sub.stride(1), sub.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
         counts.stride(0), counts.stride(1),
@@ -642,7 +922,74 @@ def _launch_select_pyramid(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx,
         W=W, WP=WP, KS=min(2 * GBP * WP, _pow2(cfg.topk)), TOPK=cfg.topk, SLOTS=cfg.slots,
         SP=_pow2(cfg.slots),
         IN_BUDGET=cfg.forced_in_budget, SCORER=_SCORER_ID[cfg.scorer], SUB=leaf_sub_blocks,
-        F32_PREC=_F32_PRECISION, num_warps=num_warps, num_stages=num_stages)
+        LO=LO, FAST=fast, F32_PREC=_F32_PRECISION, num_warps=num_warps, num_stages=num_stages)
+
+
+def _launch_select_csc(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
+                       walk_means: str, walk_maxnreg: int | None, leaf_pairs: int | None,
+                       leaf_chunk: int, leaf_warps: int | None, leaf_stages: int | None,
+                       num_warps: int | None, num_stages: int | None):
+    """``variant="csc"``: walk -> (query, level-2 parent) pair keys -> sort -> leaf scores per
+    parent group -> per-token top-K. Extra memory: ~24 bytes per slot (keys, sorted keys, pair ids,
+    scores), ``S = WP + 3`` slots per (token, KV head), plus 4 bytes per possible group."""
+    B, Tq, HQ, D = q.shape
+    Tk, HKV = k.shape[1], k.shape[2]
+    G, C, g = HQ // HKV, cfg.block_size, cfg.branching
+    W, GBP, WP = _beam_geometry(cfg, Tk)
+    S = WP + 3
+    n_levels = pyramid.n_levels
+    n_par = pyramid.offsets[2] - pyramid.offsets[1]  # level-2 nodes
+    # Sort keys (and group ids) must fit int32; the chunk count is a grid dimension (<= 65535).
+    n_chunk = min(cdiv(Tq, leaf_chunk or Tq), 65535, (2 ** 31 - 2) // (B * HKV * n_par))
+    if n_chunk < 1:
+        raise ValueError(f"variant='csc' supports B * HKV * (level-2 nodes) < 2**31, got "
+                         f"{B} * {HKV} * {n_par}")
+    chunk = cdiv(Tq, n_chunk)
+    n_chunk = cdiv(Tq, chunk)
+    n_keys = B * HKV * n_chunk * n_par
+    key_none = torch.iinfo(torch.int32).max
+    DP = max(16, _pow2(D))
+    means, LO = _walk_means(pyramid, q, walk_means)
+    off = torch.tensor(pyramid.offsets, dtype=torch.int32, device=q.device)
+
+    keys = torch.empty(B, Tq, HKV, S, dtype=torch.int32, device=q.device)
+    _pyramid_walk_kernel[(Tq, HKV, B)](
+        q, means, pyramid.counts, off, keys, Tq, Tk, n_levels, g ** (n_levels - 2), cfg.scale,
+        n_par, n_chunk, chunk, q.stride(0), q.stride(1), q.stride(2),
+        means.stride(0), means.stride(1), means.stride(2),
+        G=G, GP=max(_pow2(G), 16), D=D, DP=DP, C=C, G_BR=g, GBP=GBP, W=W, WP=WP, S=S,
+        SCORER=_SCORER_ID[cfg.scorer], LO=LO, KEY_NONE=key_none, F32_PREC=_F32_PRECISION,
+        num_warps=num_warps or 4, num_stages=num_stages or 2,
+        **({"maxnreg": walk_maxnreg} if walk_maxnreg else {}))
+
+    # Group the pairs by key; group i holds sorted entries [start[i], start[i + 1]).
+    sorted_keys, pairs = torch.sort(keys.view(-1))
+    start = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, dtype=torch.int32,
+                                                         device=q.device))
+    scores = torch.empty(keys.numel(), GBP, dtype=torch.float32, device=q.device)
+    # Default: 128 query rows a dot, fewer when the [rows, g * C] fp32 accumulator would pass 16K
+    # (128 registers a thread at 4 warps); 2 stages of gathered queries when they fit shared
+    # memory beside the parent's keys (fp32 at g = 3 asked for 256 KB with 128 rows, 2 stages).
+    CP = max(C, cdiv(16, GBP))
+    PB = leaf_pairs or max(1, min(128, 16384 // (GBP * CP)) // _pow2(G))
+    GP = max(_pow2(G), cdiv(16, PB))
+    smem = (GBP * CP + 2 * PB * GP) * DP * k.element_size()
+    _leaf_groups_kernel[(n_par, n_chunk, B * HKV)](
+        q, k, start, pairs, scores, Tq, Tk, HKV, n_chunk, n_par, cfg.scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        PB=PB, G=G, GP=GP, D=D, DP=DP, C=C, CP=CP, G_BR=g, GBP=GBP, S=S,
+        SCORER=_SCORER_ID[cfg.scorer], F32_PREC=_F32_PRECISION,
+        num_warps=leaf_warps or 4, num_stages=leaf_stages or (2 if smem <= 160_000 else 1))
+
+    BT = 16
+    SPP = _pow2(S)
+    _leaf_topk_kernel[(cdiv(Tq, BT), HKV, B)](
+        keys, scores, block_idx, counts, Tq, Tk, n_par,
+        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
+        counts.stride(0), counts.stride(1),
+        BT=BT, C=C, G_BR=g, GBP=GBP, S=S, SPP=SPP, KS=min(SPP * GBP, _pow2(cfg.topk)),
+        TOPK=cfg.topk, SLOTS=cfg.slots, SP=_pow2(cfg.slots), IN_BUDGET=cfg.forced_in_budget,
+        KEY_NONE=key_none, num_warps=4)
 
 
 def _launch_select_flat(q, k, cfg: SelectConfig, pyramid: Pyramid | None, block_idx, counts,
@@ -685,9 +1032,13 @@ def build_pyramid_triton(k: torch.Tensor, block_size: int, branching: int) -> Py
 
 
 def select_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
-                  pyramid: Pyramid | None = None, *, walk_tile: int = 1, leaf_sub_blocks: int = 0,
-                  flat_tile: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None,
+                  pyramid: Pyramid | None = None, *, variant: str | None = None,
+                  walk_means: str | None = None, walk_maxnreg: int | None = None,
+                  walk_tile: int = 1, leaf_sub_blocks: int = 0,
+                  leaf_pairs: int | None = None, leaf_chunk: int = 4096,
+                  leaf_warps: int | None = None, leaf_stages: int | None = None,
+                  flat_tile: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Block selection per query token and KV head with the Triton kernels (``naive_select``'s
     semantics for ``cfg.selector`` in pyramid / flat_lse / flat_mean).
@@ -696,11 +1047,27 @@ def select_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
     ``block_idx [B, Tq, HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and
     ``counts [B, Tq, HKV] int32``; ``out`` may supply both buffers (every element is written).
     ``pyramid`` (from ``build_pyramid_*`` on the same ``k``) is built when needed and not given.
-    ``walk_tile`` / ``leaf_sub_blocks``: the approximate levers of the module docstring (pyramid
-    only). Tuning knobs that keep the result exact: ``flat_tile`` (queries per program of the flat
-    selectors, a power of two; default ``128 // G``, at most 16), ``num_warps`` (default 8; 4 for
-    pyramid programs of <= 64 query rows) and ``num_stages`` (default 3, fewer for wide beams so
-    the pipelined tiles fit shared memory)."""
+    ``variant`` (pyramid selector only; all give the same result up to fp32 summation order):
+    ``None`` (default) is ``"csc"``, or ``"fused"`` with the approximate levers (fastest on the
+    H200: 55 vs 156 ms at 128K, ``benchmarks/results/select_variants_h200.json``); ``"fused"``
+    walks and scores the leaves in one program per query; ``"fused_fast"`` is that program with the
+    faster walk of ``"csc"`` (unscored top levels skipped, candidate-major dots); ``"csc"`` walks
+    (one program per query), sorts the (query, level-2 parent) pairs by parent and scores each
+    parent's leaves once per group of queries, ``leaf_pairs`` queries a dot (default ``128 // G``),
+    the queries grouped by chunks of ``leaf_chunk`` tokens (0: one chunk) for cache locality, then
+    picks the top-K per query. ``walk_means`` (16-bit inputs): ``"fp32"`` (``"fused"``'s default)
+    splits the fp32 means into 16-bit head and residual in the kernel, ``"split"`` (the other
+    variants' default) reads that split precomputed (same products), ``"input"`` reads the means
+    rounded once to the input dtype (half the bytes; not exact: rounding can reorder near-equal
+    nodes against the fp64 oracle).
+    ``walk_tile`` / ``leaf_sub_blocks``: the approximate levers of the module docstring
+    (not with ``"csc"``). Tuning knobs that keep the result exact: ``flat_tile`` (queries
+    per program of the flat selectors, a power of two; default ``128 // G``, at most 16),
+    ``num_warps`` (default 8; 4 for pyramid programs of <= 64 query rows; for "csc": the walk's),
+    ``num_stages`` (default 3, fewer for wide beams so the pipelined tiles fit shared memory; 2 for
+    the "csc" walk), ``walk_maxnreg`` (register cap of the "csc" walk, which needs 128 at the
+    default config: 96 fits 5 programs an SM), ``leaf_warps`` / ``leaf_stages`` ("csc" leaf
+    kernel, default 4 / 2, 1 where 2 stages would crowd shared memory)."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
     C = cfg.block_size
@@ -717,6 +1084,21 @@ def select_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
                             or leaf_sub_blocks > C):
         raise ValueError(f"leaf_sub_blocks must be 0 or a power of two dividing block_size, "
                          f"got {leaf_sub_blocks}")
+    if variant is None:
+        variant = "fused" if walk_tile > 1 or leaf_sub_blocks else "csc"
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if walk_means not in (None, "fp32", "split", "input"):
+        raise ValueError(f"walk_means must be 'fp32', 'split' or 'input', got {walk_means!r}")
+    if variant == "csc" and (walk_tile > 1 or leaf_sub_blocks):
+        raise ValueError("walk_tile / leaf_sub_blocks need variant='fused' or 'fused_fast'")
+    if variant != "fused" and walk_means == "fp32":
+        raise ValueError(f"variant={variant!r} walks 16-bit means: walk_means must be 'split' "
+                         "(the exact default) or 'input'")
+    if leaf_pairs is not None and (leaf_pairs < 1 or leaf_pairs & (leaf_pairs - 1)):
+        raise ValueError(f"leaf_pairs must be a power of two, got {leaf_pairs}")
+    if leaf_chunk < 0:
+        raise ValueError(f"leaf_chunk must be >= 0 (0: no chunking), got {leaf_chunk}")
     if out is None:
         block_idx = torch.empty(B, Tq, HKV, cfg.slots, dtype=torch.int32, device=q.device)
         counts = torch.empty(B, Tq, HKV, dtype=torch.int32, device=q.device)
@@ -738,9 +1120,15 @@ def select_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
     walk = cfg.selector == "pyramid" and (cfg.beam < cdiv(Tk, C) or leaf_sub_blocks > 0)
     if pyramid is None and (walk or cfg.selector == "flat_mean"):
         pyramid = build_pyramid_triton(k, C, cfg.branching)
-    if walk:
+    if walk_means is None:  # the fast walks take 16-bit means (exact when split)
+        walk_means = "fp32" if variant == "fused" else "split"
+    if walk and variant != "csc":
         _launch_select_pyramid(q, k, cfg, pyramid, block_idx, counts, walk_tile, leaf_sub_blocks,
-                               num_warps, num_stages)
+                               walk_means, variant == "fused_fast", num_warps, num_stages)
+    elif walk:
+        _launch_select_csc(q, k, cfg, pyramid, block_idx, counts, walk_means, walk_maxnreg,
+                           leaf_pairs, leaf_chunk, leaf_warps, leaf_stages, num_warps,
+                           num_stages)
     else:
         scorer = cfg.scorer if cfg.selector == "pyramid" else "lse"
         _launch_select_flat(q, k, cfg, pyramid, block_idx, counts, scorer, flat_tile,

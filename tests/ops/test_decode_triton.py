@@ -129,6 +129,47 @@ def test_decode_matches_oracle(case):
                    1e-4 if dtype == torch.float32 else 1e-2)
 
 
+# (T_max, C, g, W, seqlens): the walk's entry level. 64 leaves at g=4, W=1: at 1024 the top
+# walk level already has 2 free nodes (no level skipped); at 769 it has 1 (skipped) and the next
+# level starts from node 1 only (node 2 holds leaf cur - 1 and is forced). 512 / g=2 / 385: the
+# same exclusion two levels down. Tiny caches: no walk level (1 leaf; 4 leaves at g=4), one level.
+ENTRY_CASES = [(1024, 16, 4, 1, [1024, 769, 533]), (512, 16, 2, 1, [385, 512, 200]),
+               (16, 16, 2, 2, [16, 5]), (64, 16, 4, 1, [64, 40]), (40, 16, 2, 1, [40, 33])]
+
+
+@pytest.mark.parametrize("case", ENTRY_CASES, ids=lambda c: "-".join(map(str, c[:4])))
+def test_walk_entry_level(case):
+    """The walk starts at the first level with more than W free nodes, computed from the
+    position: every entry depth, the forced-node exclusion in the level above, and caches too
+    small for any internal level, against the oracle."""
+    T_max, C, g, W, seqlens = case
+    cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=W, scale=0.25)
+    q, k, v, sums, lens = make_cache(len(seqlens), T_max, 1, 2, 16, seqlens, C, g, seed=T_max)
+    want = oracle(q, k, v, seqlens, cfg)
+    assert_matches(run(q, k, v, sums, lens, cfg, num_splits=2), want, 1e-4)
+
+
+def test_walk_ranks_a_level_with_one_free_node_too_many():
+    """The skip stops at the first level with more than W free nodes. 16 leaves, g=2, W=1, the
+    query in leaf 8: level 2 has two free nodes, 1 (leaves 2, 3) and 2 (leaves 4, 5), and keeps
+    one. Node 2's keys point away from the queries but one key of leaf 4 points along them: its
+    means rank node 2 last, so leaf 4 is never a leaf candidate, though its exact LSE is the
+    highest; a walk that kept both nodes would select it."""
+    C, g, T_max, s = 16, 2, 256, 140
+    cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=1, scale=0.25)
+    q, k, v, _, lens = make_cache(1, T_max, 1, 2, 16, [s], C, g, seed=9)
+    u = F.normalize(torch.randn(16, generator=torch.Generator().manual_seed(10)), dim=0)
+    q[:] = 2 * u  # both query heads along u
+    k[0, 4 * C:6 * C, 0] = -16 * u
+    k[0, 4 * C + 5, 0] = 16 * u
+    sums = pyramid_sums(k, [s], C, g)
+    want = oracle(q, k, v, [s], cfg)
+    assert 4 not in want[2].flatten().tolist()
+    wide = SelectConfig(**{**cfg.__dict__, "beam": 2})
+    assert 4 in naive_select(q, k[:, :s], wide)[0].flatten().tolist()
+    assert_matches(run(q, k, v, sums, lens, cfg, num_splits=2), want, 1e-4)
+
+
 def test_splits_agree_and_default():
     """Every split count (and the default) gives the oracle's result; more splits than list
     entries are capped."""
@@ -192,6 +233,10 @@ def test_rejects_bad_arguments():
         decode_triton(*args, cfg, num_splits=0)
     with pytest.raises(ValueError, match="num_warps"):
         decode_triton(*args, cfg, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        decode_triton(*args, cfg, num_stages=0)
+    with pytest.raises(ValueError, match="beam >= 1"):
+        decode_triton(*args, SelectConfig(**{**cfg.__dict__, "beam": 0}))
     with pytest.raises(ValueError, match="query heads per KV head"):
         decode_triton(q.repeat(1, 1, 33, 1)[:, :, :65], k, v, sums, lens, cfg)
     with pytest.raises(ValueError, match=r"q must have shape \[B=1, 1"):

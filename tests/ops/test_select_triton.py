@@ -300,6 +300,54 @@ def test_beam_too_wide_for_the_kernel():
 
 
 # ------------------------------------------------------------------------------------------------
+# Variants of the pyramid kernel: the same selections
+# ------------------------------------------------------------------------------------------------
+
+# A spread of PYRAMID_CASES (lse / meanvar, g = 2 / 3 / 4, forced in / out of budget, fp16, one
+# token; mean is csc's leaf scorer through the fused kernel's helpers).
+VARIANT_CASES = [PYRAMID_CASES[i] for i in (1, 2, 4, 8, 12)]
+
+
+@pytest.mark.parametrize("variant", ["fused_fast", "csc"])
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: "-".join(map(str, c[:12])))
+def test_variant_matches_naive(case, variant):
+    scorer, g, W, in_budget, G, Tk, Tq, C, D, K, HKV, B, dtype = case
+    cfg = SelectConfig(block_size=C, topk=K, branching=g, beam=W, scorer=scorer,
+                       selector="pyramid", forced_in_budget=in_budget, scale=D ** -0.5)
+    q, k = _inputs(B, Tk, Tq, HKV, G, D, dtype, seed=Tk + W)
+    out = _poisoned(B, Tq, HKV, cfg.slots, DEVICE)
+    got = select_triton(q.to(DEVICE), k.to(DEVICE), cfg, variant=variant, out=out)
+    _assert_same(got, naive_select(q, k, cfg), f"{variant} {case}")
+
+
+def test_variants_on_a_deep_pyramid():
+    """Nine levels (Tk = 1024, C = 4): the fast walks skip the top levels (at most W causal nodes)
+    and score the rest; csc with 2-query dots and 3-query chunks straddles chunk borders."""
+    C, Tk, Tq, HKV = 4, 1024, 6, 1
+    q, k = _inputs(1, Tk, Tq, HKV, 2, 16, seed=8)
+    cfg = SelectConfig(block_size=C, topk=5, branching=2, beam=3, selector="pyramid", scale=0.3)
+    want = naive_select(q, k, cfg)
+    q, k = q.to(DEVICE), k.to(DEVICE)
+    for variant, knobs in [("fused_fast", {}),
+                           ("csc", {"leaf_pairs": 2, "leaf_chunk": 3, "num_stages": 1,
+                                    "walk_maxnreg": 96})]:
+        got = select_triton(q, k, cfg, variant=variant,
+                            out=_poisoned(1, Tq, HKV, cfg.slots, DEVICE), **knobs)
+        _assert_same(got, want, f"{variant} {knobs}")
+
+
+def test_input_dtype_means_give_valid_selections():
+    """walk_means="input" rounds the walk's means to 16 bits: an approximation, so only valid."""
+    C, Tk, Tq = 8, 200, 6
+    q, k = _inputs(1, Tk, Tq, 1, 2, 16, torch.float16, seed=4)
+    cfg = SelectConfig(block_size=C, topk=6, branching=2, beam=3, selector="pyramid", scale=0.25)
+    for variant in ("fused", "csc"):
+        bi, cn = select_triton(q.to(DEVICE), k.to(DEVICE), cfg, variant=variant,
+                               walk_means="input", out=_poisoned(1, Tq, 1, cfg.slots, DEVICE))
+        _check_valid(bi.cpu(), cn.cpu(), Tk, cfg)
+
+
+# ------------------------------------------------------------------------------------------------
 # Levers (approximate by design): valid selections, exact where they must be
 # ------------------------------------------------------------------------------------------------
 
@@ -323,6 +371,19 @@ def test_levers_give_valid_selections(walk_tile, leaf_sub_blocks):
     _check_valid(bi.cpu(), cn.cpu(), Tk, cfg)
 
 
+def test_fused_fast_levers_equal_fused():
+    """The fast walk under the levers (shared tile walk, sub-block leaves) selects what the fused
+    kernel's walk does."""
+    C, Tk, Tq = 8, 260, 24
+    q, k = _inputs(1, Tk, Tq, 2, 2, 16, seed=7)
+    q, k = q.to(DEVICE), k.to(DEVICE)
+    cfg = SelectConfig(block_size=C, topk=6, branching=2, beam=3, selector="pyramid", scale=0.25)
+    want = select_triton(q, k, cfg, walk_tile=8, leaf_sub_blocks=4)
+    got = select_triton(q, k, cfg, walk_tile=8, leaf_sub_blocks=4, variant="fused_fast",
+                        out=_poisoned(1, Tq, 2, cfg.slots, DEVICE))
+    _assert_same(got, (want[0].cpu(), want[1].cpu()), "fused_fast walk_tile=8 sub=4")
+
+
 def test_rejects_bad_arguments():
     q, k = _inputs(1, 16, 4, 1, 1, 16)
     cfg = SelectConfig(block_size=4, topk=4, scale=0.25)
@@ -334,6 +395,18 @@ def test_rejects_bad_arguments():
         select_triton(q, k, cfg, leaf_sub_blocks=3)
     with pytest.raises(TypeError, match="fp16/bf16/fp32"):
         select_triton(q.double(), k.double(), cfg)
+    with pytest.raises(ValueError, match="variant"):
+        select_triton(q, k, cfg, variant="flat")
+    with pytest.raises(ValueError, match="walk_means"):
+        select_triton(q, k, cfg, walk_means="bf16")
+    with pytest.raises(ValueError, match="walk_means"):
+        select_triton(q, k, cfg, variant="csc", walk_means="fp32")
+    with pytest.raises(ValueError, match="walk_tile"):
+        select_triton(q, k, cfg, variant="csc", walk_tile=2)
+    with pytest.raises(ValueError, match="leaf_pairs"):
+        select_triton(q, k, cfg, variant="csc", leaf_pairs=3)
+    with pytest.raises(ValueError, match="leaf_chunk"):
+        select_triton(q, k, cfg, variant="csc", leaf_chunk=-1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,3 +452,40 @@ def test_gpu_levers_run():
     for walk_tile, sub in [(4, 0), (1, 4), (16, 4)]:
         bi, cn = select_triton(q.cuda(), k.cuda(), cfg, walk_tile=walk_tile, leaf_sub_blocks=sub)
         _check_valid(bi.cpu(), cn.cpu(), Tk, cfg)
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["fused_fast", "csc"])
+@pytest.mark.parametrize("scorer,g,in_budget,dtype", [
+    ("lse", 2, True, torch.bfloat16), ("lse", 4, False, torch.bfloat16),
+    ("meanvar", 2, True, torch.bfloat16), ("lse", 3, True, torch.float32),
+    ("lse", 2, True, torch.float16),
+])
+def test_gpu_variant_matches_naive(variant, scorer, g, in_budget, dtype):
+    C, Tk, Tq, HKV, G, D = 64, 2000, 48, 2, 8, 128
+    q, k = _inputs(1, Tk, Tq, HKV, G, D, dtype, seed=1)
+    cfg = SelectConfig(block_size=C, topk=8, branching=g, beam=8, scorer=scorer,
+                       selector="pyramid", forced_in_budget=in_budget, scale=D ** -0.5)
+    got = select_triton(q.cuda(), k.cuda(), cfg, variant=variant,
+                        out=_poisoned(1, Tq, HKV, cfg.slots, "cuda"))
+    _assert_same(got, naive_select(q, k, cfg), f"gpu {variant} {scorer} g={g} {dtype}")
+
+
+@gpu
+@pytest.mark.parametrize("variant,knobs", [
+    ("fused_fast", {}), ("csc", {}), ("csc", {"leaf_chunk": 0, "leaf_pairs": 4}),
+    ("csc", {"walk_maxnreg": 96, "leaf_warps": 8, "leaf_stages": 3}),
+])
+def test_gpu_variant_equals_fused_at_16k(variant, knobs):
+    """Default config A shapes: the same selections as the fused kernel (both compute exact fp32
+    scores, summed in other orders: only near-ties at rounding level may differ)."""
+    T, HQ, HKV, D = 16384, 64, 4, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, T, HQ, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(1, T, HKV, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
+    want = select_triton(q, k, cfg)
+    got = select_triton(q, k, cfg, variant=variant, out=_poisoned(1, T, HKV, cfg.slots, "cuda"),
+                        **knobs)
+    differ = ((got[0] != want[0]).any(-1) | (got[1] != want[1])).float().mean().item()
+    assert differ < 1e-3, f"{variant} {knobs}: {differ:.2e} of the (token, head) rows differ"
