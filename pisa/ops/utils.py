@@ -16,9 +16,10 @@ BACKENDS = ("auto", "torch", "triton", "naive")
 # Forced leaves per query: the sink (first block), the previous block and the current block.
 MAX_FORCED = 3
 # Below this key length `selector="auto"` uses the flat exact-LSE scan; from it up, the pyramid.
-# Measured on the H200 (bf16, HQ=64, HKV=4, D=128, K=W=16; benchmarks/results/train_h200.json):
-# Triton selection 34 ms flat_lse vs 53 ms pyramid at 32K, 136 vs 117 ms at 64K.
-AUTO_CROSSOVER_T = 65536
+# Measured on the H200 (bf16, HQ=64, HKV=4, D=128, K=W=16): with the `csc` selection kernel the
+# pyramid takes 11.3 ms at 32K (benchmarks/results/select_variants_h200.json) against 34.2 ms for
+# flat_lse (levers_h200.json, an earlier run); 16K was not re-measured.
+AUTO_CROSSOVER_T = 32768
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,225 @@
+"""``pisa eval passkey``: PISA as a training-free drop-in for a pretrained model's attention.
+
+Two measurements, each for the arms dense (sdpa), ``pisa`` (pyramid) and ``flat_mean`` — one
+loaded model switched between them (``pisa.eval.model.set_arm``), so only the attention differs:
+
+- passkey retrieval: a random 5-digit number hidden at a relative depth of repetitive filler text
+  and asked for at the end; accuracy of greedy decoding (prefill and decode both through the arm).
+- language modelling on held-out documents (``pisa.eval.corpus``; the documents after the ones
+  ``pisa eval recall`` reads first): perplexity, and the share of positions whose argmax
+  next token equals the dense model's, over all tokens and over the tokens past ``K * C`` (the
+  first ``K`` blocks are attended in full, so PISA equals dense there).
+
+Result file (``--json``): ``{"meta": {...}, "rows": [{"model", "task" ("passkey"|"lm"), "arm",
+"T", "depth" (passkey only), "K", "C", "W", "samples", "metric", "value"}]}`` with metrics
+``accuracy`` (passkey) and ``ppl``, ``ppl_tail``, ``agreement``, ``agreement_tail`` (lm).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is"
+# Documents of the corpus that ``pisa eval recall`` reads first; the LM measurement skips them.
+HELD_OUT_SKIP = 8
+LM_CHUNK = 1024  # positions per lm_head call: the full [T, vocab] logits would be GBs at 8K
+
+
+@dataclass
+class PasskeyConfig:
+    lengths: list[int] = field(default_factory=lambda: [2048])
+    depths: list[float] = field(default_factory=lambda: [0.5])
+    samples: int = 1                   # passkeys per (length, depth); documents per length for LM
+    arms: list[str] = field(default_factory=lambda: ["dense", "pisa", "flat_mean"])
+    topk: int = 16
+    block_size: int = 64
+    beam: int | None = None
+    backend: str = "auto"
+    new_tokens: int = 8
+    seed: int = 0
+    log: object = field(default=sys.stderr, repr=False)
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> torch.Tensor:
+    """``ids [1, T]`` with ``T <= length``: filler sentences with the needle holding ``key`` after
+    a ``depth`` share of them, then the question."""
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+    filler, needle, question = enc(FILLER), enc(NEEDLE.format(key=key)), enc(QUESTION)
+    n = (length - len(needle) - len(question)) // len(filler)
+    if n < 1:
+        raise ValueError(f"length {length} is too short for a passkey prompt")
+    at = round(depth * n)
+    ids = filler * at + needle + filler * (n - at) + question
+    return torch.tensor([ids])
+
+
+def passkey_rows(model, tokenizer, cfg: PasskeyConfig, model_name: str) -> list[dict]:
+    """Passkey accuracy rows per (arm, T, depth)."""
+    from .model import set_arm
+
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = []
+    for T in cfg.lengths:
+        for depth in cfg.depths:
+            keys = torch.randint(10000, 100000, (cfg.samples,), generator=gen).tolist()
+            # prompt and answer stay within T (SmolLM2's trained context is 8192)
+            prompts = [passkey_prompt(tokenizer, T - cfg.new_tokens, depth, key) for key in keys]
+            for arm in cfg.arms:
+                set_arm(model, arm, **_knobs(cfg))
+                hits = 0
+                for key, ids in zip(keys, prompts):
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        out = model.generate(ids.to(device), max_new_tokens=cfg.new_tokens,
+                                             do_sample=False,
+                                             attention_mask=torch.ones_like(ids, device=device))
+                    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                    found = re.search(r"\d+", answer)
+                    hits += found is not None and int(found.group()) == key
+                    print(f"[passkey] T={ids.shape[1]} depth={depth} {arm}: key {key} answer "
+                          f"{answer.strip()!r} ({time.perf_counter() - t0:.1f} s)",
+                          file=cfg.log, flush=True)
+                rows.append(_row(model_name, "passkey", arm, T, cfg, "accuracy",
+                                 hits / cfg.samples, depth=depth))
+    return rows
+
+
+def next_token_stats(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position of ``ids [1, T]`` (all but the last): the negative log-likelihood of the next
+    token and the argmax prediction, ``([T-1] fp32, [T-1] int64)``; the lm_head runs in chunks so
+    the ``[T, vocab]`` logits never exist at once."""
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        target = ids[0, 1:]
+        nll, pred = [], []
+        for s in range(0, hidden.shape[0], LM_CHUNK):
+            logits = model.lm_head(hidden[s:s + LM_CHUNK]).float()
+            nll.append(torch.nn.functional.cross_entropy(logits, target[s:s + LM_CHUNK],
+                                                         reduction="none"))
+            pred.append(logits.argmax(-1))
+    return torch.cat(nll), torch.cat(pred)
+
+
+def lm_rows(model, documents: dict[int, list[torch.Tensor]], cfg: PasskeyConfig,
+            model_name: str) -> list[dict]:
+    """Perplexity (all tokens and past ``K * C``) and next-token agreement with the dense arm
+    per (arm, T) on ``documents = {T: [ids [1, T], ...]}``."""
+    from .model import set_arm
+
+    device = next(model.parameters()).device
+    tail = cfg.topk * cfg.block_size  # positions before it attend every block: PISA == dense
+    rows = []
+    for T, docs in documents.items():
+        stats = {}
+        for arm in ["dense"] + [a for a in cfg.arms if a != "dense"]:
+            set_arm(model, arm, **_knobs(cfg))
+            t0 = time.perf_counter()
+            stats[arm] = [next_token_stats(model, ids.to(device)) for ids in docs]
+            print(f"[lm] T={T} {arm}: {time.perf_counter() - t0:.1f} s", file=cfg.log, flush=True)
+        for arm in cfg.arms:
+            nll = torch.cat([n for n, _ in stats[arm]])
+            agree = torch.cat([p == pd for (_, p), (_, pd) in zip(stats[arm], stats["dense"])])
+            values = {"ppl": math.exp(float(nll.mean())),
+                      "ppl_tail": math.exp(float(_tail(nll, docs, tail).mean())),
+                      "agreement": float(agree.float().mean()),
+                      "agreement_tail": float(_tail(agree, docs, tail).float().mean())}
+            for metric, value in values.items():
+                rows.append(_row(model_name, "lm", arm, T, cfg, metric, value))
+            print(f"[lm] T={T} {arm}: " + " ".join(f"{m}={v:.4f}" for m, v in values.items()),
+                  file=cfg.log, flush=True)
+    return rows
+
+
+def _tail(per_position: torch.Tensor, docs: list[torch.Tensor], start: int) -> torch.Tensor:
+    """The entries of the concatenated per-document ``[T-1]`` vectors at positions >= start."""
+    n = docs[0].shape[1] - 1
+    return per_position.view(len(docs), n)[:, start:].reshape(-1)
+
+
+def _knobs(cfg: PasskeyConfig) -> dict:
+    return {"block_size": cfg.block_size, "topk": cfg.topk, "beam": cfg.beam,
+            "backend": cfg.backend}
+
+
+def _row(model_name, task, arm, T, cfg, metric, value, depth=None) -> dict:
+    return {"model": model_name, "task": task, "arm": arm, "T": T, "depth": depth,
+            "K": cfg.topk, "C": cfg.block_size, "W": cfg.beam or cfg.topk,
+            "samples": cfg.samples, "metric": metric, "value": value}
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: passkey accuracy per (T, depth) and LM metrics per T, one column per arm."""
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    by = {(r["task"], r["T"], r["depth"], r["metric"], r["arm"]): r["value"] for r in rows}
+    lines = ["| task | T | depth | metric | " + " | ".join(arms) + " |",
+             "|---|---|---|---|" + "---|" * len(arms)]
+    for task, T, depth, metric in dict.fromkeys((r["task"], r["T"], r["depth"], r["metric"])
+                                                for r in rows):
+        cells = [by.get((task, T, depth, metric, a)) for a in arms]
+        lines.append(f"| {task} | {T} | {'' if depth is None else depth} | {metric} | "
+                     + " | ".join("" if c is None else f"{c:.4g}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048],
+                   help="prompt / document lengths T in tokens (SmolLM2's context is 8192)")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.5],
+                   help="relative depths of the passkey in the filler (e.g. 0.1 0.5 0.9)")
+    p.add_argument("--samples", type=int, default=1,
+                   help="passkeys per (length, depth), and held-out documents per length")
+    p.add_argument("--arms", nargs="+", default=["dense", "pisa", "flat_mean"],
+                   choices=["dense", "pisa", "flat_mean", "flat_lse"])
+    p.add_argument("--topk", type=int, default=16, help="blocks per query K")
+    p.add_argument("--block-size", type=int, default=64, help="leaf block size C")
+    p.add_argument("--beam", type=int, default=None, help="beam width W (default K)")
+    p.add_argument("--no-lm", action="store_true", help="skip the perplexity / agreement part")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")
+
+
+def _write(path: str | None, info: dict, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"meta": info, "rows": rows}, f, indent=1)
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    from ..bench import meta
+    from .corpus import corpus, token_samples
+    from .model import SMOLLM2_NAME, default_device, load_smollm2
+
+    device = args.device or default_device()
+    cfg = PasskeyConfig(lengths=args.lengths, depths=args.depths, samples=args.samples,
+                        arms=args.arms, topk=args.topk, block_size=args.block_size,
+                        beam=args.beam, backend=args.backend)
+    print(f"[passkey] loading {SMOLLM2_NAME} on {device}", file=cfg.log, flush=True)
+    model, tokenizer = load_smollm2(device)
+    name = "SmolLM2-135M-Instruct"
+    info = meta(device, "pisa " + shlex.join(argv))
+    info.update(model=SMOLLM2_NAME, filler=FILLER, needle=NEEDLE, question=QUESTION)
+    rows = passkey_rows(model, tokenizer, cfg, name)
+    _write(args.json, info, rows)  # a long run keeps its passkey part if the LM part is cut
+    if not args.no_lm:
+        docs = {T: token_samples(tokenizer, T, cfg.samples, skip=HELD_OUT_SKIP)
+                for T in cfg.lengths}
+        info["corpus"] = corpus()[0]
+        rows += lm_rows(model, docs, cfg, name)
+        _write(args.json, info, rows)
+    print(format_table(rows))
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0

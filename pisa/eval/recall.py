@@ -1,0 +1,274 @@
+"""``pisa eval recall``: does the pyramid find the blocks a full scan would, on real attention?
+
+One dense prefill per document records every layer's post-RoPE queries and keys
+(``pisa.eval.model.capture_qk``); per layer, selectors are scored against the exact flat scan
+(``flat_lse``, the mass-optimal top-K): recall@K of its free blocks, the softmax mass the selected
+blocks capture and that mass over ``flat_lse``'s. Selectors: the pyramid (``"pisa"``) at beam
+W = K, 2K, 4K (and wider while some layer's recall is below the target and a wider beam can still
+change the selection), ``flat_mean`` (mean-pooled block keys) and ``random`` (uniform over the
+causal blocks, same forced blocks and budget).
+
+Result file (``--json``): ``{"meta": {...}, "rows": [{"model", "layer", "T", "selector", "K", "W",
+"recall", "mass", "mass_ratio"}]}``, values averaged over the documents (``meta["samples"]``);
+``W`` is null for the flat and random selectors. ``meta["summary"]`` holds the per-length verdicts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..api import pisa_select
+from ..ops.select import CHUNK_ELEMS
+from ..ops.utils import cdiv
+from .metrics import captured_mass, dense_lse, recall_at_k
+
+FIELDS = ("model", "layer", "T", "selector", "K", "W", "recall", "mass", "mass_ratio")
+
+
+@dataclass
+class RecallConfig:
+    lengths: list[int] = field(default_factory=lambda: [4096])
+    layers: list[int] | None = None       # None: every layer
+    samples: int = 1                      # documents per length
+    topk: int = 16
+    block_size: int = 64
+    branching: int = 2
+    beams: list[int] = field(default_factory=lambda: [1, 2, 4])  # W in multiples of K
+    target: float = 0.95                  # recall the W search looks for
+    backend: str = "auto"
+    seed: int = 0
+    log: object = field(default=sys.stderr, repr=False)
+
+
+def random_select(batch: int, n_queries: int, n_keys: int, n_kv_heads: int, block_size: int,
+                  topk: int, generator: torch.Generator | None = None,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    """Uniformly random blocks: ``block_idx [B, Tq, HKV, topk]`` int32 in ``pisa_select``'s format
+    (ascending, -1 padded). The forced blocks (sink, previous, current) are always in, as for
+    every selector; the rest of the budget is drawn without replacement from the earlier causal
+    blocks. Queries are the last ``n_queries`` positions; chunked over queries."""
+    n_blocks = cdiv(n_keys, block_size)
+    blocks = torch.arange(n_blocks, device=device)
+    step = max(1, CHUNK_ELEMS // (batch * n_kv_heads * n_blocks))
+    out = []
+    for s in range(0, n_queries, step):
+        e = min(n_queries, s + step)
+        cur = (torch.arange(n_keys - n_queries + s, n_keys - n_queries + e,
+                            device=device) // block_size)[:, None, None]       # [Tc, 1, 1]
+        forced = (blocks == 0) | (blocks == cur) | (blocks == cur - 1)          # [Tc, 1, NB]
+        draw = torch.rand(batch, e - s, n_kv_heads, n_blocks, generator=generator,
+                          device=generator.device if generator is not None else device)
+        # forced blocks rank first (2), earlier causal blocks by the draw, future ones never (-1)
+        score = torch.where(forced, 2.0, torch.where(blocks <= cur, draw.to(device), -1.0))
+        top = score.topk(min(topk, n_blocks), dim=-1)
+        idx = torch.where(top.values >= 0, top.indices, n_blocks).sort(-1).values
+        idx = torch.where(idx == n_blocks, -1, idx)
+        out.append(torch.nn.functional.pad(idx, (0, topk - idx.shape[-1]), value=-1))
+    return torch.cat(out, dim=1).to(torch.int32)
+
+
+class LayerQuality:
+    """Selection quality on one layer's ``q [B, T, HQ, D]``, ``k [B, T, HKV, D]`` against the
+    exact flat scan (its selection, and the dense LSE for the masses, computed once)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, cfg: RecallConfig):
+        self.q, self.k, self.cfg = q, k, cfg
+        self.scale = q.shape[-1] ** -0.5
+        self.knobs = {"block_size": cfg.block_size, "topk": cfg.topk,
+                      "branching": cfg.branching, "scale": self.scale, "backend": cfg.backend}
+        self.full = dense_lse(q, k, self.scale)
+        self.oracle, _ = pisa_select(q, k, selector="flat_lse", **self.knobs)
+        self.oracle_mass = self._mass(self.oracle)
+
+    def _mass(self, idx: torch.Tensor) -> float:
+        return captured_mass(self.q, self.k, idx, self.cfg.block_size, self.scale, self.full,
+                             self.cfg.backend)
+
+    def measure(self, selector: str, W: int | None = None,
+                generator: torch.Generator | None = None) -> dict:
+        """``{"selector", "W", "recall", "mass", "mass_ratio"}`` of ``selector`` ("pisa" at beam
+        ``W``, "flat_mean" or "random")."""
+        q, k, cfg = self.q, self.k, self.cfg
+        if selector == "pisa":
+            idx, _ = pisa_select(q, k, beam=W, **self.knobs)
+        elif selector == "flat_mean":
+            idx, _ = pisa_select(q, k, selector="flat_mean", **self.knobs)
+        elif selector == "random":
+            idx = random_select(q.shape[0], q.shape[1], k.shape[1], k.shape[2], cfg.block_size,
+                                cfg.topk, generator, q.device)
+        else:
+            raise ValueError(f"selector must be 'pisa', 'flat_mean' or 'random', got {selector!r}")
+        mass = self._mass(idx)
+        return {"selector": selector, "W": W,
+                "recall": recall_at_k(idx, self.oracle, k.shape[1], cfg.block_size),
+                "mass": mass, "mass_ratio": mass / self.oracle_mass}
+
+
+def _widest_useful_beam(T: int, cfg: RecallConfig) -> int:
+    """Beyond this W the walk keeps every node (``g * W >= leaves``): the selection is exact."""
+    return cdiv(cdiv(T, cfg.block_size), cfg.branching)
+
+
+def recall_rows(model, documents: dict[int, list[torch.Tensor]], cfg: RecallConfig,
+                model_name: str) -> list[dict]:
+    """Rows (``FIELDS``) for ``model`` on ``documents = {T: [ids [1, T], ...]}``, each value
+    averaged over the documents of its length. Prints progress to ``cfg.log``."""
+    from .model import capture_qk
+
+    n_layers = model.config.num_hidden_layers
+    layers = list(range(n_layers)) if cfg.layers is None else list(cfg.layers)
+    if any(not 0 <= i < n_layers for i in layers):
+        raise ValueError(f"layers must be in [0, {n_layers}), got {layers}")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    rows = []
+    for T, docs in documents.items():
+        beams = [m * cfg.topk for m in cfg.beams]
+        sums: dict[tuple, list[float]] = {}
+        for d, ids in enumerate(docs):
+            t0 = time.perf_counter()
+            with torch.no_grad(), capture_qk(model, set(layers)) as qk:
+                model(ids.to(device), use_cache=False, logits_to_keep=1)
+            print(f"[recall] T={T} doc {d + 1}/{len(docs)}: prefill {time.perf_counter() - t0:.1f}"
+                  " s", file=cfg.log, flush=True)
+            for layer in layers:
+                t0 = time.perf_counter()
+                q, k = qk.pop(layer)
+                lq = LayerQuality(q, k, cfg)
+                got = [lq.measure("pisa", W) for W in beams]
+                got += [lq.measure("flat_mean"), lq.measure("random", generator=generator)]
+                pyr = {r["W"]: r["recall"] for r in got if r["selector"] == "pisa"}
+                # widen the beam while this layer misses the target and wider can still help
+                while pyr[max(pyr)] < cfg.target and max(pyr) < _widest_useful_beam(T, cfg):
+                    got.append(lq.measure("pisa", 2 * max(pyr)))
+                    pyr[got[-1]["W"]] = got[-1]["recall"]
+                for r in got:
+                    acc = sums.setdefault((layer, r["selector"], r["W"]), [0.0, 0.0, 0.0, 0])
+                    for i, name in enumerate(("recall", "mass", "mass_ratio")):
+                        acc[i] += r[name]
+                    acc[3] += 1
+                flat = next(r["recall"] for r in got if r["selector"] == "flat_mean")
+                print(f"[recall] T={T} doc {d + 1} layer {layer}: pisa recall "
+                      + " ".join(f"W={W}:{v:.3f}" for W, v in sorted(pyr.items()))
+                      + f" | flat_mean {flat:.3f} ({time.perf_counter() - t0:.1f} s)",
+                      file=cfg.log, flush=True)
+        for (layer, selector, W), (rec, mass, ratio, n) in sorted(
+                sums.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+            rows.append({"model": model_name, "layer": layer, "T": T, "selector": selector,
+                         "K": cfg.topk, "W": W, "recall": rec / n, "mass": mass / n,
+                         "mass_ratio": ratio / n})
+    return rows
+
+
+def _layer_recall(by: dict, layer: int, W: int) -> float:
+    """Pyramid recall of ``layer`` at beam ``W``; a layer's beam search stops once it reaches the
+    target, so wider beams read its widest measured one."""
+    return by[(layer, "pisa", max(w for (i, s, w) in by if i == layer and s == "pisa" and w <= W))]
+
+
+def summarize(rows: list[dict], target: float = 0.95) -> dict[str, dict]:
+    """Per length: the share of layers where the pyramid at W = K recalls at least as much as
+    flat_mean, mean recalls, and the smallest W whose recall reaches ``target`` in every layer
+    (``w_target_all``) and on the mean over layers (``w_target_mean``; None if not reached)."""
+    out = {}
+    for T in sorted({r["T"] for r in rows}):
+        at = [r for r in rows if r["T"] == T]
+        K = at[0]["K"]
+        by = {(r["layer"], r["selector"], r["W"]): r["recall"] for r in at}
+        layers = sorted({r["layer"] for r in at})
+        n = len(layers)
+        wins = [by[(i, "pisa", K)] >= by[(i, "flat_mean", None)] for i in layers]
+        widths = sorted({r["W"] for r in at if r["selector"] == "pisa"})
+        all_ok = [W for W in widths if all(_layer_recall(by, i, W) >= target for i in layers)]
+        mean_ok = [W for W in widths if sum(_layer_recall(by, i, W) for i in layers) / n >= target]
+        out[str(T)] = {
+            "layers": n, "K": K,
+            "pisa_ge_flat_mean_layers": sum(wins), "pisa_ge_flat_mean_share": sum(wins) / n,
+            "layers_pisa_below_flat_mean": [i for i, w in zip(layers, wins) if not w],
+            "mean_recall_pisa_W=K": sum(by[(i, "pisa", K)] for i in layers) / n,
+            "mean_recall_flat_mean": sum(by[(i, "flat_mean", None)] for i in layers) / n,
+            "mean_recall_random": sum(by[(i, "random", None)] for i in layers) / n,
+            "w_target_all": all_ok[0] if all_ok else None,
+            "w_target_mean": mean_ok[0] if mean_ok else None}
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: one line per (T, layer) with recall and mass ratio of each selector."""
+    widths = sorted({r["W"] for r in rows if r["selector"] == "pisa"})
+    head = [f"pisa W={W}" for W in widths] + ["flat_mean", "random"]
+    lines = ["| T | layer | " + " | ".join(f"{h} recall / mass ratio" for h in head) + " |",
+             "|---|---|" + "---|" * len(head)]
+    by = {(r["T"], r["layer"], r["selector"], r["W"]): r for r in rows}
+    for T, layer in sorted({(r["T"], r["layer"]) for r in rows}):
+        cells = []
+        for sel, W in [("pisa", W) for W in widths] + [("flat_mean", None), ("random", None)]:
+            r = by.get((T, layer, sel, W))
+            cells.append("" if r is None else f"{r['recall']:.3f} / {r['mass_ratio']:.3f}")
+        lines.append(f"| {T} | {layer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096],
+                   help="document lengths T in tokens (default 4096, the shortest where the "
+                        "pyramid prunes at C=64, K=W=16; SmolLM2's context is 8192)")
+    p.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="layers to measure (default: every 6th, 0 6 12 18 24 29; "
+                        "'--layers -1' for all)")
+    p.add_argument("--samples", type=int, default=1, help="documents per length")
+    p.add_argument("--topk", type=int, default=16, help="blocks per query K")
+    p.add_argument("--block-size", type=int, default=64, help="leaf block size C")
+    p.add_argument("--branching", type=int, default=2, help="pyramid branching g")
+    p.add_argument("--target", type=float, default=0.95,
+                   help="recall the beam search (W = K, 2K, 4K, ...) looks for")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")
+
+
+DEFAULT_LAYERS = [0, 6, 12, 18, 24, 29]
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    from ..bench import meta
+    from .corpus import corpus, token_samples
+    from .model import SMOLLM2_NAME, default_device, load_smollm2
+
+    device = args.device or default_device()
+    layers = DEFAULT_LAYERS if args.layers is None else (None if args.layers == [-1]
+                                                         else args.layers)
+    cfg = RecallConfig(lengths=args.lengths, layers=layers, samples=args.samples,
+                       topk=args.topk, block_size=args.block_size, branching=args.branching,
+                       target=args.target, backend=args.backend)
+    print(f"[recall] loading {SMOLLM2_NAME} on {device}", file=cfg.log, flush=True)
+    model, tokenizer = load_smollm2(device)
+    source = corpus()[0]
+    print(f"[recall] documents: {source}", file=cfg.log, flush=True)
+    info = meta(device, "pisa " + shlex.join(argv))
+    info.update(model=SMOLLM2_NAME, corpus=source, samples=cfg.samples, C=cfg.block_size,
+                g=cfg.branching, target=cfg.target)
+    rows = []
+    for T in cfg.lengths:  # the file is rewritten after each length: a long run keeps its part
+        docs = {T: token_samples(tokenizer, T, cfg.samples)}
+        rows += recall_rows(model, docs, cfg, "SmolLM2-135M-Instruct")
+        info["summary"] = summarize(rows, cfg.target)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": info, "rows": rows}, f, indent=1)
+    print(format_table(rows))
+    for T, s in info["summary"].items():
+        print(f"T={T}: pisa (W=K) recall >= flat_mean in {s['pisa_ge_flat_mean_layers']}/"
+              f"{s['layers']} layers; mean recall pisa {s['mean_recall_pisa_W=K']:.3f}, "
+              f"flat_mean {s['mean_recall_flat_mean']:.3f}, random "
+              f"{s['mean_recall_random']:.3f}; W for recall >= {cfg.target}: every layer "
+              f"{s['w_target_all']}, layer mean {s['w_target_mean']}")
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,143 @@
+"""``attn_implementation="pisa"`` in transformers on a tiny random-weight Llama (CPU, fp32)."""
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.0")
+
+import pisa.integrations.hf as pisa_hf
+from pisa.eval.model import tiny_llama
+
+C, K = 8, 4  # the first K * C = 32 positions attend every causal block: PISA == dense there
+FITS = K * C
+
+
+def _pair(**knobs):
+    """The same random weights twice: dense (sdpa) and PISA."""
+    seed = int(torch.randint(0, 2**31, ()))
+    dense = tiny_llama(seed=seed)
+    sparse = tiny_llama(seed=seed, attn_implementation="pisa", block_size=C, topk=K, **knobs)
+    return dense, sparse
+
+
+class CountCalls:
+    """Wraps ``pisa_attn`` and ``pisa_attn_with_kvcache`` in the integration module and records
+    each call's (Tq, Tk) in ``shapes`` / ``cached`` (Tk = keys held after the append)."""
+
+    def __init__(self, monkeypatch):
+        self.shapes, self.cached = [], []
+        attn, attn_cached = pisa_hf.pisa_attn, pisa_hf.pisa_attn_with_kvcache
+
+        def counted(q, k, v, **kw):
+            self.shapes.append((q.shape[1], k.shape[1]))
+            return attn(q, k, v, **kw)
+
+        def counted_cached(q, cache, **kw):
+            self.cached.append((q.shape[1], int(cache.cache_seqlens.max())))
+            return attn_cached(q, cache, **kw)
+        monkeypatch.setattr(pisa_hf, "pisa_attn", counted)
+        monkeypatch.setattr(pisa_hf, "pisa_attn_with_kvcache", counted_cached)
+
+
+def test_logits_equal_dense_while_context_fits_in_k_blocks_and_differ_past(rng):
+    dense, sparse = _pair()
+    ids = torch.randint(0, 128, (2, 3 * FITS))
+    with torch.no_grad():
+        ref, got = dense(ids).logits, sparse(ids).logits
+    torch.testing.assert_close(got[:, :FITS], ref[:, :FITS], rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(got).all()
+    assert (got[:, FITS:] - ref[:, FITS:]).abs().max() > 1e-3
+
+
+def test_config_knobs_are_read_a_budget_of_every_block_equals_dense(rng):
+    dense, sparse = _pair()
+    sparse.config.pisa_topk = 3 * FITS // C  # every block of the sequence
+    ids = torch.randint(0, 128, (1, 3 * FITS))
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(ids).logits, dense(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "pisa"])
+def test_decode_with_cache_equals_prefill_rows_past_k_blocks(rng, monkeypatch, cache_kind):
+    _, sparse = _pair()
+    ids = torch.randint(0, 128, (2, 2 * FITS + 8))
+    prompt = FITS + 8
+    cache = pisa_hf.PisaHFCache(sparse.config, ids.shape[1]) if cache_kind == "pisa" else None
+    with torch.no_grad():
+        full = sparse(ids).logits
+        calls = CountCalls(monkeypatch)
+        out = sparse(ids[:, :prompt], cache=cache, use_cache=True)
+        steps = [out.logits[:, -1]]
+        cache = out.past_key_values
+        for t in range(prompt, ids.shape[1] - 1):
+            out = sparse(ids[:, t:t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits[:, -1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, prompt - 1:-1], rtol=1e-4,
+                               atol=1e-5)
+    layers, n_steps = sparse.config.num_hidden_layers, ids.shape[1] - 1 - prompt
+    used, unused = (calls.cached, calls.shapes) if cache_kind == "pisa" else \
+        (calls.shapes, calls.cached)
+    assert not unused and used[0] == (prompt, prompt)
+    decode = [tk for tq, tk in used if tq == 1]
+    assert len(decode) == layers * n_steps and max(decode) == ids.shape[1] - 1 > FITS
+
+
+def test_generate_runs_pisa_in_prefill_and_every_decode_step_past_k_blocks(rng, monkeypatch):
+    dense, sparse = _pair()
+    calls = CountCalls(monkeypatch)
+    fit = 12  # dense steps compared
+    prompt, new = torch.randint(0, 128, (1, FITS - fit)), FITS + 8
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+          "attention_mask": torch.ones_like(prompt), "return_dict_in_generate": True,
+          "output_logits": True}
+    with torch.no_grad():
+        out = sparse.generate(prompt, **kw)
+        cached = sparse.generate(prompt, cache=pisa_hf.PisaHFCache(sparse.config, FITS * 2),
+                                 **kw)
+        ref = dense.generate(prompt, **{**kw, "max_new_tokens": fit, "min_new_tokens": fit})
+    assert out.sequences.shape == (1, prompt.shape[1] + new)
+    layers = sparse.config.num_hidden_layers
+    for shapes in (calls.shapes, calls.cached):  # DynamicCache, then PisaHFCache
+        assert [tq for tq, _ in shapes] == [prompt.shape[1]] * layers + [1] * layers * (new - 1)
+        assert shapes[-1][1] == prompt.shape[1] + new - 1 > 1.5 * FITS
+    logits = torch.stack(out.logits, 1)
+    assert torch.isfinite(logits).all() and torch.equal(cached.sequences, out.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits, 1), logits, rtol=1e-4, atol=1e-5)
+    # while the whole context fits in K blocks the greedy steps see the dense logits
+    assert torch.equal(out.sequences[:, :FITS], ref.sequences)
+    torch.testing.assert_close(logits[:, :fit], torch.stack(ref.logits, 1), rtol=1e-4, atol=1e-5)
+
+
+def test_pisa_cache_refuses_overflow_and_mismatched_block_size(rng):
+    _, sparse = _pair()
+    ids = torch.randint(0, 128, (1, 20))
+    with pytest.raises(ValueError, match="max_cache_len"):
+        sparse(ids, cache=pisa_hf.PisaHFCache(sparse.config, 16), use_cache=True)
+    cache = pisa_hf.PisaHFCache(sparse.config, 32)
+    sparse.config.pisa_block_size = 2 * C
+    with pytest.raises(ValueError, match="block_size"):
+        sparse(ids, cache=cache, use_cache=True)
+
+
+def test_padding_packing_static_caches_and_explicit_masks_are_refused(rng):
+    _, sparse = _pair()
+    ids = torch.randint(0, 128, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with pytest.raises(ValueError, match="padded"):
+        sparse(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="explicit attention mask"):
+        sparse(ids, attention_mask=torch.ones(2, 1, 40, 40, dtype=torch.bool))
+    with pytest.raises(ValueError, match="packed"):
+        sparse(ids, position_ids=torch.arange(40).remainder(20)[None], use_cache=False)
+    from transformers import StaticCache
+    with pytest.raises(ValueError, match="static"):
+        sparse(ids, cache=StaticCache(config=sparse.config, max_cache_len=64), use_cache=True)
+    with torch.no_grad():
+        assert torch.isfinite(sparse(ids, attention_mask=torch.ones_like(ids)).logits).all()
+
+
+def test_register_checks_and_is_idempotent():
+    pisa_hf.register()
+    pisa_hf.register()
+    from transformers import AttentionInterface
+    assert AttentionInterface._global_mapping["pisa"] is pisa_hf.pisa_attention_forward
