@@ -23,7 +23,7 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -69,9 +69,9 @@ def passkey_rows(model, tokenizer, cfg: PasskeyConfig, model_name: str) -> list[
     from .model import set_arm
 
     device = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(cfg.seed)
     rows = []
     for T in cfg.lengths:
+        gen = torch.Generator().manual_seed(cfg.seed + T)  # keys do not depend on other lengths
         for depth in cfg.depths:
             keys = torch.randint(10000, 100000, (cfg.samples,), generator=gen).tolist()
             # prompt and answer stay within T (SmolLM2's trained context is 8192)
@@ -211,14 +211,17 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     name = "SmolLM2-135M-Instruct"
     info = meta(device, "pisa " + shlex.join(argv))
     info.update(model=SMOLLM2_NAME, filler=FILLER, needle=NEEDLE, question=QUESTION)
-    rows = passkey_rows(model, tokenizer, cfg, name)
-    _write(args.json, info, rows)  # a long run keeps its passkey part if the LM part is cut
-    if not args.no_lm:
-        docs = {T: token_samples(tokenizer, T, cfg.samples, skip=HELD_OUT_SKIP)
-                for T in cfg.lengths}
-        info["corpus"] = corpus()[0]
-        rows += lm_rows(model, docs, cfg, name)
+    rows = []
+    # one length at a time, rewriting the file after each: a long run keeps what it finished
+    for T in cfg.lengths:
+        rows += passkey_rows(model, tokenizer, replace(cfg, lengths=[T]), name)
         _write(args.json, info, rows)
+    if not args.no_lm:
+        info["corpus"] = corpus()[0]
+        for T in cfg.lengths:
+            docs = {T: token_samples(tokenizer, T, cfg.samples, skip=HELD_OUT_SKIP)}
+            rows += lm_rows(model, docs, cfg, name)
+            _write(args.json, info, rows)
     print(format_table(rows))
     if args.json:
         print(f"wrote {args.json}")
