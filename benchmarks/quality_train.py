@@ -93,6 +93,37 @@ def lr_at(step: int, steps: int | None, args) -> float:
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+def parse_curriculum(items: list[str], train_T: int, batch: int) -> list[tuple[int, float]]:
+    """``["T:frac", ...]`` -> ``[(T, frac), ...]``: the first ``frac`` of the steps at length
+    ``T`` (phases in order, the rest at ``train_T``). Every phase keeps the tokens per step:
+    ``batch * train_T / T`` rows, which must split evenly over the six parts."""
+    phases = []
+    for item in items:
+        T, _, frac = item.partition(":")
+        try:
+            phase = (int(T), float(frac))
+        except ValueError:
+            raise ValueError(f"--curriculum items must be 'T:fraction', got {item!r}") from None
+        if not (0 < phase[0] < train_T and train_T % phase[0] == 0 and 0 < phase[1] < 1) or \
+                (batch * train_T // phase[0]) % len(TRAIN_TASKS):
+            raise ValueError(f"--curriculum {item!r}: T must divide --train-T {train_T} and give "
+                             f"a multiple of {len(TRAIN_TASKS)} rows, the fraction lie in (0, 1)")
+        phases.append(phase)
+    if sum(f for _, f in phases) >= 1:
+        raise ValueError(f"--curriculum fractions must sum to less than 1, got {items}")
+    return phases
+
+
+def length_at(step: int, steps: int | None, args) -> tuple[int, int]:
+    """``(rows, T)`` of the batch at ``step`` under ``args.curriculum``."""
+    end = 0.0
+    for T, frac in args.phases:
+        end += frac
+        if steps is not None and step < end * steps:
+            return args.batch * args.train_T // T, T
+    return args.batch, args.train_T
+
+
 def _wait_for(path: Path, deadline: float) -> bool:
     while not path.exists():
         if time.time() > deadline:
@@ -181,7 +212,8 @@ def train(model: GPT, args, train_data: torch.Tensor, record: dict, log) -> None
         lr = lr_at(step, steps, args)
         for group in opt.param_groups:
             group["lr"] = lr
-        tokens, weights, part = train_batch(args.batch, args.train_T, gen, train_data)
+        rows, T = length_at(step, steps, args)
+        tokens, weights, part = train_batch(rows, T, gen, train_data)
         per_token = _loss(model, tokens, weights, dev)
         per_token.sum().backward()
         torch.nn.utils.clip_grad_norm_(params, args.clip)
@@ -193,7 +225,7 @@ def train(model: GPT, args, train_data: torch.Tensor, record: dict, log) -> None
             parts = (acc / n_acc).tolist()  # the only host sync of the loop
             acc.zero_()
             n_acc = 0
-            point = {"step": step + 1, "sec": round(time.time() - t_start, 2), "lr": lr,
+            point = {"step": step + 1, "T": T, "sec": round(time.time() - t_start, 2), "lr": lr,
                      "loss": sum(parts) / len(parts),
                      **{name: round(v, 5) for name, v in zip(TRAIN_TASKS, parts)}}
             record["curve"].append(point)
@@ -341,6 +373,8 @@ def _child_argv(args, run: dict, work: Path, corpus: Path, deadlines) -> list[st
             "--eval-deadline", repr(deadlines[1]), "--test-T", *map(str, args.test_T)]
     for name in SHARED:
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.curriculum:
+        argv += ["--curriculum", *args.curriculum]
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
     else:
@@ -366,29 +400,33 @@ def _barrier(procs: dict, sync: Path, suffix: str, deadline: float) -> list[str]
     return [n for n in procs if (sync / f"{n}{suffix}").exists()]
 
 
-def plan_steps(runs: list[dict], paces: dict, warmup_frac: float, seconds: float) -> int:
+def plan_steps(runs: list[dict], paces: dict, warmup_frac: float, seconds: float,
+               gpus: int = 1) -> int:
     """Optimizer steps every run can make in ``seconds``.
 
-    ``paces`` are seconds per step measured with all runs training at once. The GPU time-slices
-    between processes with work, so with ``n`` runs each gets ``1/n`` of it and a run's own GPU
-    cost is ``pace / n`` per step; runs that finish early free their share, so all end when the
-    total work ``steps * sum(cost)`` is done. A warm-up run timed its dense phase: its sparse
+    ``paces`` are seconds per step measured with all runs training at once; run ``i`` of
+    ``runs`` trains on GPU ``i % gpus``. A GPU time-slices between processes with work, so with
+    ``n`` runs on it each gets ``1/n`` of it and a run's own GPU cost is ``pace / n`` per step;
+    runs that finish early free their share, so a GPU is done when its total work
+    ``steps * sum(cost)`` is, and the busiest GPU sets the steps. A warm-up run timed its dense phase: its sparse
     steps cost what its sparse-schedule twin's do (the costliest run's where none was timed).
     Runs that did not report count at the costliest pace."""
-    cost = {n: v / len(paces) for n, v in paces.items()}
+    gpu_of = {run["name"]: i % gpus for i, run in enumerate(runs)}
+    sharing = [sum(gpu_of[n] == g for n in paces) or 1 for g in range(gpus)]
+    cost = {n: v / sharing[gpu_of[n]] for n, v in paces.items()}
     worst = max(cost.values())
-    total = 0.0
+    total = [0.0] * gpus
     for run in runs:
         own = cost.get(run["name"], worst)
         if run["schedule"] == "warmup":
             twin = run["name"].replace("_warmup_", "_sparse_")
             own = warmup_frac * own + (1 - warmup_frac) * cost.get(twin, worst)
-        total += own
-    return CALIB_TO + max(1, int(SAFETY * seconds / total))
+        total[gpu_of[run["name"]]] += own
+    return CALIB_TO + max(1, int(SAFETY * seconds / max(total)))
 
 
 def calibrate(procs: dict, runs: list[dict], sync: Path, ready_by: float,
-              train_deadline: float, warmup_frac: float, log) -> dict:
+              train_deadline: float, warmup_frac: float, gpus: int, log) -> dict:
     """Release the runs together once all compiled (or at ``ready_by``), time them under full
     contention, and set one step count for all (a straggler reads it when it gets there)."""
     ready = _barrier(procs, sync, ".ready", min(ready_by, train_deadline))
@@ -401,7 +439,7 @@ def calibrate(procs: dict, runs: list[dict], sync: Path, ready_by: float,
              log)
         return {"steps": None, "sec_per_step": {}}
     left = train_deadline - time.time()
-    steps = plan_steps(runs, paces, warmup_frac, left)
+    steps = plan_steps(runs, paces, warmup_frac, left, gpus)
     _write_atomic(sync / "steps", {"steps": steps})
     _say("[launch] paces (s/step, all runs at once): "
          + ", ".join(f"{n}={v:.3f}" for n, v in sorted(paces.items()))
@@ -428,19 +466,21 @@ def launch(args) -> dict:
         corpus.save(corpus_path)
         corpus_info = corpus.info
         del corpus
-    _say(f"[launch] {len(runs)} runs in {work}; corpus {corpus_info}", log)
+    _say(f"[launch] {len(runs)} runs on {args.gpus} GPU(s) in {work}; corpus {corpus_info}", log)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                         os.environ.get("PYTHONPATH")])))
     procs = {}
-    for run in runs:
+    for i, run in enumerate(runs):  # round robin over the GPUs, as plan_steps assumes
+        if args.gpus > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(i % args.gpus)
         with open(work / f"{run['name']}.log", "w") as f:
             procs[run["name"]] = subprocess.Popen(
                 _child_argv(args, run, work, corpus_path, deadlines), stdout=f,
                 stderr=subprocess.STDOUT, env=env)
     calib = None if args.steps is not None else \
         calibrate(procs, runs, work / "sync", t0 + args.ready_timeout, deadlines[0],
-                  args.warmup_frac, log)
+                  args.warmup_frac, args.gpus, log)
     last = 0.0
     while _alive(procs) and time.time() < end - 8:
         time.sleep(1)
@@ -510,7 +550,8 @@ def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: floa
     m.update({
         "config": {name: getattr(args, name) for name in SHARED}
         | {"test_T": args.test_T, "lr": args.lr, "seeds": args.seeds, "arms": args.arms,
-           "warmup_arms": args.warmup_arms, "time_budget": args.time_budget},
+           "warmup_arms": args.warmup_arms, "time_budget": args.time_budget,
+           "curriculum": args.phases, "gpus": args.gpus},
         "tasks": list(TRAIN_TASKS), "corpus": corpus_info, "calibration": calib,
         "runs": run_info, "lr_sweep": sorted(sweep, key=lambda s: s["lr"]),
         "wall_seconds": round(time.time() - t0, 1),
@@ -560,6 +601,8 @@ def parse_args(argv=None):
     ap.add_argument("--sweep", type=float, nargs="*", default=[0.5, 2.0],
                     help="learning-rate multipliers of extra dense seed-0 runs")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per run")
+    ap.add_argument("--gpus", type=int,
+                    help="GPUs the runs are spread over (default: every visible one)")
     # one run
     ap.add_argument("--run", default="run", help="run name (file names)")
     ap.add_argument("--arm", default="dense", choices=("dense", "pisa", "flat_mean", "flat_lse"))
@@ -574,6 +617,9 @@ def parse_args(argv=None):
     ap.add_argument("--site", help="site-packages folder to read the corpus from")
     # shared by every run
     ap.add_argument("--train-T", type=int, default=4096)
+    ap.add_argument("--curriculum", nargs="*", default=[], metavar="T:FRAC",
+                    help="shorter lengths first: the first FRAC of the steps at length T, phase "
+                         "after phase, the same tokens per step (e.g. 512:0.3 2048:0.3)")
     ap.add_argument("--test-T", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--batch", type=int, default=6, help="rows per step (multiple of 6)")
     ap.add_argument("--width", type=int, default=256)
@@ -599,6 +645,12 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.batch % len(TRAIN_TASKS):
         ap.error(f"--batch must be a multiple of {len(TRAIN_TASKS)} (LM + {len(TASKS)} tasks)")
+    try:
+        args.phases = parse_curriculum(args.curriculum, args.train_T, args.batch)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.gpus is None:
+        args.gpus = max(1, torch.cuda.device_count()) if args.device.startswith("cuda") else 1
     now = time.time()
     if args.train_deadline is None:
         args.train_deadline = now + args.time_budget - args.eval_reserve

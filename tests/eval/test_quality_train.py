@@ -75,6 +75,20 @@ def test_every_arm_trains_and_evaluates(arm, schedule, site, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == rec["rows"]
 
 
+def test_a_curriculum_run_trains_at_each_length_then_evaluates(site, tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        rec = _script().main(["--run", "r", "--arm", "pisa", "--topk", "4", "--steps", "4",
+                              "--curriculum", "256:0.5", "--site", str(site),
+                              "--out", str(tmp_path)] + TINY)
+    finally:
+        torch.set_num_threads(threads)
+    assert rec["status"] == "done" and rec["steps"] == 4
+    assert [p["T"] for p in rec["curve"]] == [256, 256, 512, 512]
+    assert all(math.isfinite(p["loss"]) for p in rec["curve"])
+    check_rows(rec["rows"], {"pisa"}, {512}, 4)
+
+
 def test_train_batch_weights_each_part_equally(site):
     qt = _script()
     from pisa.eval.tasks import ByteCorpus
@@ -115,6 +129,27 @@ def test_plan_steps_shares_the_gpu_and_costs_warmup_runs_by_their_sparse_twin():
     total = 1 / 3 + 1 + (0.25 / 3 + 0.75) + 1
     want = qt.CALIB_TO + int(qt.SAFETY * 100 / total)
     assert qt.plan_steps(runs, paces, 0.25, 100.0) == want
+
+
+def test_plan_steps_on_two_gpus_is_set_by_the_busier_one():
+    qt = _script()
+    runs = [{"name": n, "schedule": "sparse"} for n in ("a", "b", "c")]  # GPU 0: a, c; 1: b
+    paces = {"a": 1.0, "b": 1.0, "c": 3.0}
+    # costs: a 1/2, c 3/2 on GPU 0 (total 2); b 1/1 on GPU 1 (total 1)
+    assert qt.plan_steps(runs, paces, 0.25, 100.0, gpus=2) == qt.CALIB_TO + int(qt.SAFETY * 50)
+
+
+def test_curriculum_keeps_tokens_per_step_and_ends_at_the_training_length():
+    qt = _script()
+    args = qt.parse_args(["--train-T", "4096", "--batch", "6", "--curriculum", "512:0.3",
+                          "2048:0.2", "--device", "cpu"])
+    assert args.phases == [(512, 0.3), (2048, 0.2)]
+    got = [qt.length_at(step, 100, args) for step in (0, 29, 30, 49, 50, 99)]
+    assert got == [(48, 512), (48, 512), (12, 2048), (12, 2048), (6, 4096), (6, 4096)]
+    assert qt.length_at(0, None, args) == (6, 4096)  # step count not set yet: full length
+    for bad in (["3000:0.3"], ["512:1.2"], ["512:0.6", "2048:0.5"], ["512"]):
+        with pytest.raises(SystemExit):
+            qt.parse_args(["--train-T", "4096", "--curriculum", *bad, "--device", "cpu"])
 
 
 def test_launcher_calibrates_one_step_count_and_merges_runs_into_the_schema(site, tmp_path):
@@ -167,6 +202,7 @@ def test_every_arm_trains_on_gpu_at_the_suite_shapes(arm, schedule, tmp_path):
                           "--eval-examples", "4", "--lm-windows", "2", "--device", "cuda",
                           "--out", str(tmp_path)])
     assert rec["status"] == "done" and rec["steps"] == 4
+    assert [p["T"] for p in rec["curve"]] == [256, 256, 512, 512]
     assert all(math.isfinite(p["loss"]) for p in rec["curve"])
     for r in rec["rows"]:
         assert set(r) == ROW_KEYS and math.isfinite(r["value"])
