@@ -1,8 +1,8 @@
 """Synthetic long-context tasks and a byte-level code corpus, generated on the fly for training and
 evaluating small models whose attention is dense, PISA or a flat selector.
 
-Tokens are bytes (0..255) plus a few markers (``KEY`` .. ``MARK``, ids 256..261); ``VOCAB_SIZE``
-leaves room for two more. Every task fills a length-``T`` row with random filler (lowercase
+Tokens are bytes (0..255) plus a few markers (``KEY`` .. ``MARK``, ids 256..259); ``VOCAB_SIZE``
+leaves room for four more. Every task fills a length-``T`` row with random filler (lowercase
 letters and spaces) and scatters its facts and questions through it (uniformly random,
 non-overlapping). Answers are spans of tokens; the model predicts each answer token from the
 tokens before it (teacher forcing), and a question counts as answered when all its tokens are.
@@ -10,24 +10,27 @@ tokens before it (teacher forcing), and a question counts as answered when all i
 =================  ==========================================================  ==================
 task               facts  ->  questions                                        hard because
 =================  ==========================================================  ==================
-``needle_single``  ``KEY k1..k4 VAL v1..v4`` once  ->  ``QRY k1..k4 VAL`` v1..v4  one block of T
+``needle_single``  ``KEY k1..k4 v1..v4`` once  ->  ``QRY k1..k4`` v1..v4          one block of T
                    ending the row
 ``needle_multi``   4 pairs of needles whose 4-letter keys differ in one letter  near-duplicate
                    ->  one question per pair, ending the row                   keys
-``assoc_recall``   128 facts ``KEY k1 k2 VAL v1 v2``, each asked once by        many facts, any
-                   ``QRY k1 k2 VAL`` v1 v2 somewhere after it (multi-query)    distance
-``var_track``      16 chains: ``SET x1 x2 EQ d1 d2``, later ``SET y1 y2 EQ     two hops
-                   x1 x2``, later ``QRY y1 y2 EQ`` d1 d2 (interleaved)
+``assoc_recall``   128 facts ``KEY k1 k2 v1 v2``, each asked once by            many facts, any
+                   ``QRY k1 k2`` v1 v2 somewhere after it (multi-query)        distance
+``var_track``      16 chains: ``SET x1 x2 d1 d2``, later ``SET y1 y2 x1 x2``,  two hops
+                   later ``QRY y1 y2`` d1 d2 (interleaved)
 ``aggregate``      28 +- 8 marks ``MARK s`` over 4 symbols, one of them 2-4    every mark counts
                    more frequent than any other  ->  ``QRY MARK`` s ending      (top-K cannot see
                    the row                                                     them all)
 =================  ==========================================================  ==================
 
 (Counts are the defaults from ``T >= 4096``; assoc_recall and var_track scale them down below.)
-Keys, names and symbols are uppercase letters, values digits. Questions repeat the fact's
-marker before the answer (``VAL``, ``EQ``, ``MARK``), so answering is copying what follows the
-matching fact: the induction pattern a language model on code learns anyway; the multi-query
-tasks give many answer tokens per row, so the pattern is learned in few steps.
+Keys, names and symbols are uppercase letters, values digits. The answer follows the key
+directly, with no marker between: a model answers by finding the earlier occurrence of the key
+and copying what follows it (the induction pattern a language model on code learns anyway). A
+marker between key and answer (``QRY k VAL`` -> v) would leave the token before every answer the
+same marker, so one-token matching would carry no signal at all; here matching only the key's
+last letter already answers many questions, and training sharpens it into matching the whole
+key. The multi-query tasks give many answer tokens per row.
 
 The language-modelling corpus is the Python sources of installed packages (see ``ByteCorpus``).
 """
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-KEY, VAL, QRY, SET, EQ, MARK = range(256, 262)
+KEY, QRY, SET, MARK = range(256, 260)
 VOCAB_SIZE = 264
 FILLER = tuple(range(ord("a"), ord("z") + 1)) + (ord(" "),)
 UPPER = tuple(range(ord("A"), ord("Z") + 1))
@@ -156,16 +159,16 @@ def _at_end(tokens: torch.Tensor, questions: torch.Tensor, answer_len: int) -> T
 
 def _retrieval(name: str, keys: torch.Tensor, values: torch.Tensor, asked: torch.Tensor, T: int,
                gen: torch.Generator, interleave: bool) -> TaskBatch:
-    """Facts ``KEY key VAL value`` for ``keys [B, n, Lk]``, ``values [B, n, Lv]`` and questions
-    ``QRY key VAL value`` for the facts ``asked [B, q]`` (distinct): all questions at the end, or
+    """Facts ``KEY key value`` for ``keys [B, n, Lk]``, ``values [B, n, Lv]`` and questions
+    ``QRY key value`` for the facts ``asked [B, q]`` (distinct): all questions at the end, or
     (``interleave``) each somewhere after the fact it asks."""
     B, n, Lk = keys.shape
     Lv, q = values.shape[2], asked.shape[1]
     dev = keys.device
-    facts = torch.cat([_marker(B, n, KEY, dev), keys, _marker(B, n, VAL, dev), values], 2)
+    facts = torch.cat([_marker(B, n, KEY, dev), keys, values], 2)
     idx = asked[:, :, None]
     questions = torch.cat([_marker(B, q, QRY, dev), keys.gather(1, idx.expand(-1, -1, Lk)),
-                           _marker(B, q, VAL, dev), values.gather(1, idx.expand(-1, -1, Lv))], 2)
+                           values.gather(1, idx.expand(-1, -1, Lv))], 2)
     L = facts.shape[2]
     _check_fits(name, T, (n + q) * L)
     tokens = _haystack(B, T, gen, dev)
@@ -180,8 +183,8 @@ def _retrieval(name: str, keys: torch.Tensor, values: torch.Tensor, asked: torch
 
 def needle_single(batch: int, T: int, gen: torch.Generator, *, key_len: int = 4,
                   value_len: int = 4) -> TaskBatch:
-    """One needle ``KEY k VAL v`` (``key_len`` letters, ``value_len`` digits) at a uniformly
-    random depth; the question ``QRY k VAL`` ends the row."""
+    """One needle ``KEY k v`` (``key_len`` letters, ``value_len`` digits) at a uniformly
+    random depth; the question ``QRY k`` ends the row."""
     dev = gen.device
     keys = _draw(_alphabet(UPPER, dev), (batch, 1, key_len), gen)
     values = _draw(_alphabet(DIGITS, dev), (batch, 1, value_len), gen)
@@ -216,7 +219,7 @@ def needle_multi(batch: int, T: int, gen: torch.Generator, *, pairs: int = 4, ke
 def assoc_recall(batch: int, T: int, gen: torch.Generator, *, pairs: int | None = None,
                  key_len: int = 2, value_len: int = 2) -> TaskBatch:
     """Multi-query associative recall: ``pairs`` (default ``min(128, T // 32)``) facts
-    ``KEY k VAL v`` with distinct ``key_len``-letter keys, each asked once by ``QRY k VAL`` at a
+    ``KEY k v`` with distinct ``key_len``-letter keys, each asked once by ``QRY k`` at a
     random place after it; facts and questions are scattered through the whole row, so every
     question is answered by a fact a random distance back, among many others."""
     pairs = min(128, T // 32) if pairs is None else pairs
@@ -234,8 +237,8 @@ def assoc_recall(batch: int, T: int, gen: torch.Generator, *, pairs: int | None 
 def var_track(batch: int, T: int, gen: torch.Generator, *, chains: int | None = None,
               name_len: int = 2) -> TaskBatch:
     """Two-hop variable tracking over ``chains`` (default ``min(16, T // 64)``) chains: a root
-    ``SET x EQ d`` (``name_len`` digits ``d``), later an alias ``SET y EQ x``, later the question
-    ``QRY y EQ``, answered by ``d``; all chains interleaved through the row."""
+    ``SET x d`` (``name_len`` digits ``d``), later an alias ``SET y x``, later the question
+    ``QRY y``, answered by ``d``; all chains interleaved through the row."""
     chains = min(16, T // 64) if chains is None else chains
     if not 1 <= 2 * chains <= len(UPPER) ** name_len:
         raise ValueError(f"var_track needs 1 <= 2 * chains <= 26**name_len, got chains={chains}, "
@@ -245,10 +248,10 @@ def var_track(batch: int, T: int, gen: torch.Generator, *, chains: int | None = 
                    _alphabet(UPPER, dev))
     roots, aliases = names[:, :chains], names[:, chains:]
     digits = _draw(_alphabet(DIGITS, dev), (batch, chains, name_len), gen)
-    set_, eq = _marker(batch, chains, SET, dev), _marker(batch, chains, EQ, dev)
-    items = torch.cat([torch.cat([set_, roots, eq, digits], 2),
-                       torch.cat([set_, aliases, eq, roots], 2),
-                       torch.cat([_marker(batch, chains, QRY, dev), aliases, eq, digits], 2)], 1)
+    set_ = _marker(batch, chains, SET, dev)
+    items = torch.cat([torch.cat([set_, roots, digits], 2),
+                       torch.cat([set_, aliases, roots], 2),
+                       torch.cat([_marker(batch, chains, QRY, dev), aliases, digits], 2)], 1)
     L = items.shape[2]
     _check_fits("var_track", T, 3 * chains * L)
     # Three ranks per chain, sorted: root, then alias, then question.

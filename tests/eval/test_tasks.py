@@ -5,13 +5,14 @@ from collections import Counter
 import pytest
 import torch
 
-from pisa.eval.tasks import (EQ, FILLER, KEY, MARK, QRY, SET, TASKS, VAL, VOCAB_SIZE, ByteCorpus,
+from pisa.eval.tasks import (FILLER, KEY, MARK, QRY, SET, TASKS, VOCAB_SIZE, ByteCorpus,
                              lm_eval_windows, lm_windows, make_task)
 
-# (marker, key length, separator, answer length) of each task's facts and questions
-LAYOUT = {"needle_single": (KEY, 4, VAL, 4), "needle_multi": (KEY, 4, VAL, 4),
-          "assoc_recall": (KEY, 2, VAL, 2), "var_track": (SET, 2, EQ, 2),
-          "aggregate": (MARK, 0, MARK, 1)}
+# (fact marker, key length, answer length) of each task: facts ``marker key value``, questions
+# ``QRY key`` followed by the answer
+LAYOUT = {"needle_single": (KEY, 4, 4), "needle_multi": (KEY, 4, 4), "assoc_recall": (KEY, 2, 2),
+          "var_track": (SET, 2, 2), "aggregate": (MARK, 1, 1)}
+UPPER = set(range(ord("A"), ord("Z") + 1))
 
 
 def _gen(seed):
@@ -20,29 +21,32 @@ def _gen(seed):
 
 def _questions(row, name):
     """Per ``QRY``: (its position, the key it asks, the positions of its answer)."""
-    _, key_len, sep, answer_len = LAYOUT[name]
+    _, key_len, answer_len = LAYOUT[name]
     out = []
     for q in (i for i, t in enumerate(row) if t == QRY):
-        assert row[q + 1 + key_len] == sep, "question layout broken"
-        start = q + 2 + key_len
-        out.append((q, tuple(row[q + 1:q + 1 + key_len]), list(range(start, start + answer_len))))
+        if name == "aggregate":  # ``QRY MARK`` answer
+            assert row[q + 1] == MARK, "question layout broken"
+        else:
+            assert set(row[q + 1:q + 1 + key_len]) <= UPPER, "question layout broken"
+        start = q + 1 + key_len
+        out.append((q, tuple(row[q + 1:start]), list(range(start, start + answer_len))))
     return out
 
 
-def _facts(row, marker, key_len, sep, value_len, end):
-    """``marker key sep value`` facts before ``end``: list of (position, key, value)."""
+def _facts(row, marker, key_len, value_len, end):
+    """``marker key value`` facts before ``end``: list of (position, key, value)."""
     out = []
     for p in range(end):
         if row[p] == marker:
-            assert row[p + 1 + key_len] == sep, "fact layout broken"
+            assert set(row[p + 1:p + 1 + key_len]) <= UPPER, "fact layout broken"
             out.append((p, tuple(row[p + 1:p + 1 + key_len]),
-                        tuple(row[p + 2 + key_len:p + 2 + key_len + value_len])))
+                        tuple(row[p + 1 + key_len:p + 1 + key_len + value_len])))
     return out
 
 
 def solve(row, name):
     """The reference solver: answer every question from the facts before it."""
-    marker, key_len, sep, n = LAYOUT[name]
+    marker, key_len, n = LAYOUT[name]
     got = []
     for q, key, _ in _questions(row, name):
         if name == "aggregate":
@@ -52,7 +56,7 @@ def solve(row, name):
             got.append([top])
             continue
         facts = {}
-        for _, k, v in _facts(row, marker, key_len, sep, n, q):
+        for _, k, v in _facts(row, marker, key_len, n, q):
             assert k not in facts, f"key {k} set twice"
             facts[k] = v
         value = facts[key]
@@ -93,7 +97,7 @@ def test_needle_multi_questions_have_a_near_duplicate_distractor(rng):
     for r in range(8):
         row = b.tokens[r].tolist()
         questions = _questions(row, "needle_multi")
-        facts = _facts(row, KEY, 4, VAL, 4, questions[0][0])
+        facts = _facts(row, KEY, 4, 4, questions[0][0])
         assert len(facts) == 8
         for _, key, _ in questions:
             dist = sorted(sum(a != c for a, c in zip(key, k)) for _, k, _ in facts)
@@ -108,7 +112,7 @@ def test_facts_are_spread_over_the_whole_row(rng):
     marks = make_task("aggregate", 64, T, _gen(rng + 1)).tokens == MARK
     assert marks[:, :T // 4].any(1).all() and marks[:, 3 * T // 4:].any(1).all()
     row = make_task("assoc_recall", 1, T, _gen(rng + 2)).tokens[0].tolist()
-    where = {k: p for p, k, _ in _facts(row, KEY, 2, VAL, 2, T)}
+    where = {k: p for p, k, _ in _facts(row, KEY, 2, 2, T)}
     gaps = [q - where[key] for q, key, _ in _questions(row, "assoc_recall")]
     assert min(gaps) > 0 and max(gaps) > T // 2  # asked after the fact, some from far back
 
@@ -119,7 +123,7 @@ def test_generation_is_deterministic_per_seed_and_filler_is_plain(rng):
         c = make_task(name, 2, 1024, _gen(rng + 1))
         assert torch.equal(a.tokens, b.tokens) and not torch.equal(a.tokens, c.tokens)
     tokens = make_task("assoc_recall", 2, 4096, _gen(rng)).tokens
-    allowed = set(FILLER) | {KEY, VAL, QRY} | set(range(ord("A"), ord("Z") + 1)) \
+    allowed = set(FILLER) | {KEY, QRY} | UPPER \
         | set(range(ord("0"), ord("9") + 1))
     assert set(tokens.flatten().tolist()) == allowed
 
