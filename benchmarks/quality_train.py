@@ -2,7 +2,7 @@
 a mix of synthetic long-context tasks and byte-level code, tested at 4K, 8K and 16K.
 
 One process trains and evaluates one run (arm, K, seed, schedule); ``--launch`` starts every run
-of the suite as parallel processes on one GPU and merges their results:
+of the suite as parallel processes, round robin over the visible GPUs, and merges their results:
 
     PYTHONPATH=. python benchmarks/quality_train.py --launch --out $OUT --time-budget 500
 
@@ -17,6 +17,11 @@ Protocol
 - Batch: ``--batch`` rows of ``--train-T`` tokens, split evenly over language modelling and the
   five tasks of ``pisa.eval.tasks`` (one model per run serves every task). Loss: the mean over
   the six of each one's mean cross-entropy (LM: every next byte; tasks: answer tokens only).
+- Curriculum (``--curriculum``, default 256 for 60% of the steps, 1024 for 20%, then
+  ``--train-T``): the same tokens per step, so short phases have more rows (96 at T = 256, 16
+  per task). The tasks need many examples per step to be learned at all: with one or a few rows
+  per task per step they stayed at chance for every arm, while 16 rows at T = 256 learn every
+  task in ~3000 steps (``docs/quality.md``).
 - Arms: dense; pisa at K = 8 and 16; flat_mean and flat_lse at K = 16 (C = 64, W = K). Schedules:
   "sparse" (sparse from step 0) and "warmup" (dense for the first ``--warmup-frac`` of the steps,
   then sparse). Dense rows carry schedule "sparse" (dense attention from step 0). Seeds 0, 1, 2:
@@ -373,8 +378,7 @@ def _child_argv(args, run: dict, work: Path, corpus: Path, deadlines) -> list[st
             "--eval-deadline", repr(deadlines[1]), "--test-T", *map(str, args.test_T)]
     for name in SHARED:
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    if args.curriculum:
-        argv += ["--curriculum", *args.curriculum]
+    argv += ["--curriculum", *args.curriculum]  # also when empty: the default is not
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
     else:
@@ -617,7 +621,7 @@ def parse_args(argv=None):
     ap.add_argument("--site", help="site-packages folder to read the corpus from")
     # shared by every run
     ap.add_argument("--train-T", type=int, default=4096)
-    ap.add_argument("--curriculum", nargs="*", default=[], metavar="T:FRAC",
+    ap.add_argument("--curriculum", nargs="*", default=["256:0.6", "1024:0.2"], metavar="T:FRAC",
                     help="shorter lengths first: the first FRAC of the steps at length T, phase "
                          "after phase, the same tokens per step (e.g. 512:0.3 2048:0.3)")
     ap.add_argument("--test-T", type=int, nargs="+", default=[4096, 8192, 16384])
@@ -629,7 +633,7 @@ def parse_args(argv=None):
     ap.add_argument("--mlp", type=int, default=768)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--lr-warmup", type=int, default=50)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup-frac", type=float, default=0.25,
