@@ -17,11 +17,13 @@ Protocol
 - Batch: ``--batch`` rows of ``--train-T`` tokens, split evenly over language modelling and the
   five tasks of ``pisa.eval.tasks`` (one model per run serves every task). Loss: the mean over
   the six of each one's mean cross-entropy (LM: every next byte; tasks: answer tokens only).
-- Curriculum (``--curriculum``, default 256 for 60% of the steps, 1024 for 20%, then
+- Curriculum (``--curriculum``, default 256 for 60% of the steps, 2048 for 20%, then
   ``--train-T``): the same tokens per step, so short phases have more rows (96 at T = 256, 16
   per task). The tasks need many examples per step to be learned at all: with one or a few rows
   per task per step they stayed at chance for every arm, while 16 rows at T = 256 learn every
-  task in ~3000 steps (``docs/quality.md``).
+  task in ~3000 steps (``docs/quality.md``). While T <= K * C every block fits in the budget, so
+  the sparse arms are dense there (``PisaAttention`` then runs SDPA): the "sparse" schedule is
+  sparse from the first phase longer than K * C (2048 for K = 16).
 - Arms: dense; pisa at K = 8 and 16; flat_mean and flat_lse at K = 16 (C = 64, W = K). Schedules:
   "sparse" (sparse from step 0) and "warmup" (dense for the first ``--warmup-frac`` of the steps,
   then sparse). Dense rows carry schedule "sparse" (dense attention from step 0). Seeds 0, 1, 2:
@@ -621,7 +623,7 @@ def parse_args(argv=None):
     ap.add_argument("--site", help="site-packages folder to read the corpus from")
     # shared by every run
     ap.add_argument("--train-T", type=int, default=4096)
-    ap.add_argument("--curriculum", nargs="*", default=["256:0.6", "1024:0.2"], metavar="T:FRAC",
+    ap.add_argument("--curriculum", nargs="*", default=["256:0.6", "2048:0.2"], metavar="T:FRAC",
                     help="shorter lengths first: the first FRAC of the steps at length T, phase "
                          "after phase, the same tokens per step (e.g. 512:0.3 2048:0.3)")
     ap.add_argument("--test-T", type=int, nargs="+", default=[4096, 8192, 16384])

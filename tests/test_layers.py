@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from pisa import PisaAttention
+from pisa import PisaAttention, pisa_attn
 
 
 class TinyGPT(nn.Module):
@@ -35,10 +35,26 @@ def test_pisa_layer_equals_dense_layer_while_context_fits_in_k_blocks(rng):
     dense = PisaAttention(32, 4, 2, attn="dense")
     sparse = PisaAttention(32, 4, 2, block_size=8, topk=6)
     sparse.load_state_dict(dense.state_dict())
-    x = torch.randn(2, 48, 32)
+    x = torch.randn(2, 48, 32)  # 6 blocks of 8 = the budget: the layer takes SDPA ...
     torch.testing.assert_close(sparse(x), dense(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # ... which is what the sparse kernels give when they select every block
+        o = pisa_attn(*sparse.qkv(x), **sparse.pisa_kwargs)
+        torch.testing.assert_close(sparse(x), sparse.o_proj(o.flatten(2)), rtol=1e-5, atol=1e-5)
     y = torch.randn(2, 200, 32)
     assert (sparse(y) - dense(y)).abs().max() > 1e-3, "beyond K blocks the layer is sparse"
+
+
+def test_short_context_skips_the_sparse_kernels(monkeypatch):
+    import pisa.layers.attention as layer
+    calls = []
+    monkeypatch.setattr(layer, "pisa_attn", lambda *a, **kw: calls.append(1) or
+                        torch.zeros(a[0].shape))
+    attn = PisaAttention(32, 4, 2, block_size=8, topk=6)
+    attn(torch.randn(1, 48, 32))
+    assert calls == []
+    attn(torch.randn(1, 49, 32))
+    assert calls == [1]
+    assert PisaAttention(32, 4, 2).dense_up_to == 16 * 64  # pisa_attn's defaults
 
 
 def test_layer_rejects_bad_head_counts():

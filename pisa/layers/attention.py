@@ -1,6 +1,8 @@
 """``PisaAttention``: a drop-in causal self-attention layer (projections, RoPE, GQA, PISA)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -8,6 +10,7 @@ from torch import nn
 from ..api import pisa_attn
 
 ATTN_MODES = ("pisa", "dense")
+_PISA_DEFAULTS = {name: p.default for name, p in inspect.signature(pisa_attn).parameters.items()}
 
 
 def rotary_tables(seqlen: int, head_dim: int, theta: float, device, offset: int = 0):
@@ -40,6 +43,9 @@ class PisaAttention(nn.Module):
         **pisa_kwargs: forwarded to ``pisa_attn`` (block_size, topk, branching, beam, scorer,
             selector, forced_in_budget, backend).
 
+    While ``T <= topk * block_size`` every causal block fits in the budget, so PISA attends all of
+    them: the layer computes that exact result with SDPA instead of selecting and gathering.
+
     Input ``x [B, T, hidden_size]`` -> output of the same shape.
     """
 
@@ -58,19 +64,26 @@ class PisaAttention(nn.Module):
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         self.rope_theta, self.attn, self.pisa_kwargs = rope_theta, attn, pisa_kwargs
+        self.dense_up_to = (pisa_kwargs.get("topk", _PISA_DEFAULTS["topk"])
+                            * pisa_kwargs.get("block_size", _PISA_DEFAULTS["block_size"]))
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected, rotated ``q [B, T, HQ, D]``, ``k, v [B, T, HKV, D]`` of ``x``."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         cos, sin = rotary_tables(T, self.head_dim, self.rope_theta, x.device)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.attn == "dense":
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x)
+        if self.attn == "dense" or T <= self.dense_up_to:
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                 enable_gqa=self.num_heads != self.num_kv_heads).transpose(1, 2)
