@@ -26,7 +26,8 @@ Protocol
   sparse from the first phase longer than K * C (2048 for K = 16).
 - Arms: dense; pisa at K = 8 and 16; flat_mean and flat_lse at K = 16 (C = 64, W = K). Schedules:
   "sparse" (sparse from step 0) and "warmup" (dense for the first ``--warmup-frac`` of the steps,
-  then sparse). Dense rows carry schedule "sparse" (dense attention from step 0). Seeds 0, 1, 2:
+  then sparse; default 0.7, past the curriculum's start where every block fits the budget — a
+  warm-up that ends inside it would equal the sparse run and is rejected). Dense rows carry schedule "sparse" (dense attention from step 0). Seeds 0, 1, 2:
   the seed sets the initialisation and the training data stream, so arms of one seed see the
   same batches; the evaluation data are the same for every run.
 - Same steps for every run: each run compiles its kernels, waits for all others, times a few
@@ -349,6 +350,17 @@ def _arm_spec(spec: str) -> tuple[str, int | None]:
     return arm, int(k)
 
 
+def dense_share(phases: list[tuple[int, float]], train_T: int, reach: int) -> float:
+    """Share of the steps at the curriculum's start whose length ``T <= reach = K * C``: every
+    block fits the budget there, so a sparse arm computes dense attention."""
+    share = 0.0
+    for T, frac in phases + [(train_T, 1.0)]:
+        if T > reach:
+            return share
+        share += frac
+    return 1.0
+
+
 def plan(args) -> list[dict]:
     """The runs: every ``--arms`` x ``--seeds`` (schedule "sparse"), every ``--warmup-arms`` x
     ``--seeds`` (schedule "warmup"), and the dense learning-rate sweep (seed 0)."""
@@ -358,6 +370,12 @@ def plan(args) -> list[dict]:
             arm, k = _arm_spec(spec)
             if arm == "dense" and schedule == "warmup":
                 raise ValueError("--warmup-arms: the dense arm has no warm-up schedule")
+            fits = dense_share(args.phases, args.train_T, k * args.block_size) if k else 0.0
+            if schedule == "warmup" and args.warmup_frac <= fits:
+                raise ValueError(f"--warmup-frac {args.warmup_frac}: {spec} attends every block "
+                                 f"for the first {fits:g} of the steps anyway (T <= K * C), so "
+                                 "its warm-up run would equal its sparse twin; raise it above "
+                                 f"{fits:g}")
             runs.append({"name": f"{arm}{k or ''}_{schedule}_s{seed}", "arm": arm, "K": k,
                          "seed": seed, "schedule": schedule, "lr": args.lr, "sweep": False})
     for mult in args.sweep:
@@ -638,7 +656,7 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--lr-warmup", type=int, default=50)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup-frac", type=float, default=0.25,
+    ap.add_argument("--warmup-frac", type=float, default=0.7,
                     help="schedule 'warmup': fraction of the steps trained densely")
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0)

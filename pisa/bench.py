@@ -19,6 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from .api import pisa_attn, pisa_attn_with_kvcache, pisa_select
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 from .cache import PisaCache
 from .eval.metrics import captured_mass, dense_lse, recall_at_k
 from .eval.synthetic import structured_qkv

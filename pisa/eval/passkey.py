@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .gpt import ARMS
+
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is"
@@ -181,7 +183,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=1,
                    help="passkeys per (length, depth), and held-out documents per length")
     p.add_argument("--arms", nargs="+", default=["dense", "pisa", "flat_mean"],
-                   choices=["dense", "pisa", "flat_mean", "flat_lse"])
+                   choices=list(ARMS))
     p.add_argument("--topk", type=int, default=16, help="blocks per query K")
     p.add_argument("--block-size", type=int, default=64, help="leaf block size C")
     p.add_argument("--beam", type=int, default=None, help="beam width W (default K)")
@@ -200,7 +202,8 @@ def _write(path: str | None, info: dict, rows: list[dict]) -> None:
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from ..bench import meta
     from .corpus import corpus, token_samples
-    from .model import SMOLLM2_NAME, default_device, load_smollm2
+    from ..bench import default_device
+    from .model import SMOLLM2_NAME, load_smollm2
 
     device = args.device or default_device()
     cfg = PasskeyConfig(lengths=args.lengths, depths=args.depths, samples=args.samples,

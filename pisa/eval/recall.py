@@ -239,7 +239,8 @@ DEFAULT_LAYERS = [0, 6, 12, 18, 24, 29]
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from ..bench import meta
     from .corpus import corpus, token_samples
-    from .model import SMOLLM2_NAME, default_device, load_smollm2
+    from ..bench import default_device
+    from .model import SMOLLM2_NAME, load_smollm2
 
     device = args.device or default_device()
     layers = DEFAULT_LAYERS if args.layers is None else (None if args.layers == [-1]

@@ -36,6 +36,7 @@ The language-modelling corpus is the Python sources of installed packages (see `
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class TaskBatch:
     n_spans: int
 
 
+@functools.cache  # built once per device: a host-to-device copy per call would sync every batch
 def _alphabet(chars, device) -> torch.Tensor:
     return torch.tensor(chars, dtype=torch.long, device=device)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 try:
-    import transformers
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
@@ -40,7 +39,6 @@ from ..api import pisa_attn, pisa_attn_with_kvcache
 from ..cache import PisaCache
 
 NAME = "pisa"
-MIN_TRANSFORMERS = (5, 0)
 # PISA knobs read from the model config as ``config.pisa_<name>`` (e.g. ``config.pisa_topk``).
 PISA_DEFAULTS = {"block_size": 64, "topk": 16, "branching": 2, "beam": None, "scorer": "lse",
                  "selector": "pyramid", "forced_in_budget": True, "backend": "auto"}
@@ -121,11 +119,8 @@ def pisa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
 
 
 def register() -> None:
-    """Make ``attn_implementation="pisa"`` available to transformers (idempotent)."""
-    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
-    if version < MIN_TRANSFORMERS:
-        raise ImportError(f"pisa.integrations.hf needs transformers >= 5, found "
-                          f"{transformers.__version__}")
+    """Make ``attn_implementation="pisa"`` available to transformers (idempotent); the version
+    check happens at import (transformers 4 lacks ``CacheLayerMixin``)."""
     AttentionInterface.register(NAME, pisa_attention_forward)
     AttentionMaskInterface.register(NAME, pisa_mask)
 

@@ -1,16 +1,14 @@
 """``PisaAttention``: a drop-in causal self-attention layer (projections, RoPE, GQA, PISA)."""
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..api import pisa_attn
+from ..ops.utils import SelectConfig
 
 ATTN_MODES = ("pisa", "dense")
-_PISA_DEFAULTS = {name: p.default for name, p in inspect.signature(pisa_attn).parameters.items()}
 
 
 def rotary_tables(seqlen: int, head_dim: int, theta: float, device, offset: int = 0):
@@ -64,8 +62,8 @@ class PisaAttention(nn.Module):
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         self.rope_theta, self.attn, self.pisa_kwargs = rope_theta, attn, pisa_kwargs
-        self.dense_up_to = (pisa_kwargs.get("topk", _PISA_DEFAULTS["topk"])
-                            * pisa_kwargs.get("block_size", _PISA_DEFAULTS["block_size"]))
+        self.dense_up_to = (pisa_kwargs.get("topk", SelectConfig.topk)
+                            * pisa_kwargs.get("block_size", SelectConfig.block_size))
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)

@@ -152,6 +152,20 @@ def test_curriculum_keeps_tokens_per_step_and_ends_at_the_training_length():
             qt.parse_args(["--train-T", "4096", "--curriculum", *bad, "--device", "cpu"])
 
 
+def test_warmup_runs_must_outlast_the_curriculum_phases_where_every_block_fits():
+    qt = _script()
+    args = qt.parse_args(["--train-T", "4096", "--curriculum", "256:0.6", "2048:0.2",
+                          "--device", "cpu"])
+    assert qt.dense_share(args.phases, 4096, 16 * 64) == 0.6  # 256 fits, 2048 does not
+    assert qt.dense_share(args.phases, 4096, 4 * 64) == 0.6
+    assert qt.dense_share(args.phases, 4096, 2 * 64) == 0.0
+    assert qt.dense_share(args.phases, 4096, 64 * 64) == 1.0
+    assert {r["schedule"] for r in qt.plan(args)} == {"sparse", "warmup"}  # default 0.7 > 0.6
+    args.warmup_frac = 0.5
+    with pytest.raises(ValueError, match="would equal its sparse twin"):
+        qt.plan(args)
+
+
 def test_launcher_calibrates_one_step_count_and_merges_runs_into_the_schema(site, tmp_path):
     """The GPU protocol on CPU: runs compile, wait for each other, time a few steps, get one
     step count from the launcher, train, evaluate; the launcher merges everything."""
