@@ -67,7 +67,7 @@ from pisa.eval.tasks import TASKS, ByteCorpus, lm_eval_windows, lm_windows, make
 TRAIN_TASKS = ("lm",) + tuple(TASKS)
 SCHEDULES = ("sparse", "warmup")
 CALIB_FROM, CALIB_TO = 3, 10  # steps timed (under full contention) to set the step count
-SAFETY = 0.75  # fraction of the time left that the planned steps fill (evaluation of early
+SAFETY = 0.8  # fraction of the time left that the planned steps fill (evaluation of early
 #                finishers shares the GPU too)
 CALIB_WAIT = 60.0  # seconds the launcher waits for the paces once the runs are released
 
@@ -376,12 +376,15 @@ def plan(args) -> list[dict]:
                                  f"for the first {fits:g} of the steps anyway (T <= K * C), so "
                                  "its warm-up run would equal its sparse twin; raise it above "
                                  f"{fits:g}")
+            dense_frac = 1.0 if arm == "dense" else \
+                max(fits, args.warmup_frac if schedule == "warmup" else 0.0)
             runs.append({"name": f"{arm}{k or ''}_{schedule}_s{seed}", "arm": arm, "K": k,
-                         "seed": seed, "schedule": schedule, "lr": args.lr, "sweep": False})
+                         "seed": seed, "schedule": schedule, "lr": args.lr, "sweep": False,
+                         "dense_frac": dense_frac})
     for mult in args.sweep:
         lr = args.lr * mult
         runs.append({"name": f"dense_lr{lr:g}_s0", "arm": "dense", "K": None, "seed": 0,
-                     "schedule": "sparse", "lr": lr, "sweep": True})
+                     "schedule": "sparse", "lr": lr, "sweep": True, "dense_frac": 1.0})
     return runs
 
 
@@ -424,33 +427,41 @@ def _barrier(procs: dict, sync: Path, suffix: str, deadline: float) -> list[str]
     return [n for n in procs if (sync / f"{n}{suffix}").exists()]
 
 
-def plan_steps(runs: list[dict], paces: dict, warmup_frac: float, seconds: float,
-               gpus: int = 1) -> int:
+def plan_steps(runs: list[dict], paces: dict, seconds: float, gpus: int = 1) -> int:
     """Optimizer steps every run can make in ``seconds``.
 
-    ``paces`` are seconds per step measured with all runs training at once; run ``i`` of
-    ``runs`` trains on GPU ``i % gpus``. A GPU time-slices between processes with work, so with
-    ``n`` runs on it each gets ``1/n`` of it and a run's own GPU cost is ``pace / n`` per step;
-    runs that finish early free their share, so a GPU is done when its total work
-    ``steps * sum(cost)`` is, and the busiest GPU sets the steps. A warm-up run timed its dense phase: its sparse
-    steps cost what its sparse-schedule twin's do (the costliest run's where none was timed).
-    Runs that did not report count at the costliest pace."""
+    ``paces`` are seconds per step measured with all runs training at once, at the full length;
+    run ``i`` of ``runs`` trains on GPU ``i % gpus``. A GPU time-slices between processes with
+    work, so with ``n`` runs on it each gets ``1/n`` of it and a run's own GPU cost is
+    ``pace / n`` per step; runs that finish early free their share, so a GPU is done when its
+    total work ``steps * sum(cost)`` is, and the busiest GPU sets the steps.
+
+    A run computes dense attention for the ``dense_frac`` of its steps (warm-up, or curriculum
+    phases where every block fits the budget) and sparse attention for the rest. A sparse run
+    timed its sparse step, a warm-up run its dense one: the other kind costs what the dense
+    arm's runs do (mean) or what the warm-up's sparse twin does; the costliest pace stands in
+    for what was not timed, and for runs that did not report."""
     gpu_of = {run["name"]: i % gpus for i, run in enumerate(runs)}
     sharing = [sum(gpu_of[n] == g for n in paces) or 1 for g in range(gpus)]
     cost = {n: v / sharing[gpu_of[n]] for n, v in paces.items()}
     worst = max(cost.values())
+    dense = [cost[r["name"]] for r in runs if r["arm"] == "dense" and r["name"] in cost]
+    dense_cost = sum(dense) / len(dense) if dense else worst
     total = [0.0] * gpus
     for run in runs:
-        own = cost.get(run["name"], worst)
         if run["schedule"] == "warmup":
             twin = run["name"].replace("_warmup_", "_sparse_")
-            own = warmup_frac * own + (1 - warmup_frac) * cost.get(twin, worst)
-        total[gpu_of[run["name"]]] += own
+            dense_step, sparse_step = cost.get(run["name"], worst), cost.get(twin, worst)
+        else:
+            sparse_step = cost.get(run["name"], worst)
+            dense_step = min(dense_cost, sparse_step)
+        frac = run["dense_frac"]
+        total[gpu_of[run["name"]]] += frac * dense_step + (1 - frac) * sparse_step
     return CALIB_TO + max(1, int(SAFETY * seconds / max(total)))
 
 
 def calibrate(procs: dict, runs: list[dict], sync: Path, ready_by: float,
-              train_deadline: float, warmup_frac: float, gpus: int, log) -> dict:
+              train_deadline: float, gpus: int, log) -> dict:
     """Release the runs together once all compiled (or at ``ready_by``), time them under full
     contention, and set one step count for all (a straggler reads it when it gets there)."""
     ready = _barrier(procs, sync, ".ready", min(ready_by, train_deadline))
@@ -463,7 +474,7 @@ def calibrate(procs: dict, runs: list[dict], sync: Path, ready_by: float,
              log)
         return {"steps": None, "sec_per_step": {}}
     left = train_deadline - time.time()
-    steps = plan_steps(runs, paces, warmup_frac, left, gpus)
+    steps = plan_steps(runs, paces, left, gpus)
     _write_atomic(sync / "steps", {"steps": steps})
     _say("[launch] paces (s/step, all runs at once): "
          + ", ".join(f"{n}={v:.3f}" for n, v in sorted(paces.items()))
@@ -504,7 +515,7 @@ def launch(args) -> dict:
                 stderr=subprocess.STDOUT, env=env)
     calib = None if args.steps is not None else \
         calibrate(procs, runs, work / "sync", t0 + args.ready_timeout, deadlines[0],
-                  args.warmup_frac, args.gpus, log)
+                  args.gpus, log)
     last = 0.0
     while _alive(procs) and time.time() < end - 8:
         time.sleep(1)

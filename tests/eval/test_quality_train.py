@@ -120,23 +120,26 @@ def test_task_accuracy_is_exact_match_per_question(rng):
     assert acc == pytest.approx(1 - 1 / (3 * b.n_spans))
 
 
-def test_plan_steps_shares_the_gpu_and_costs_warmup_runs_by_their_sparse_twin():
+def test_plan_steps_shares_the_gpu_and_costs_each_phase_by_what_it_computes():
     qt = _script()
-    runs = [{"name": n, "schedule": n.split("_")[1]}
-            for n in ("a_sparse_s0", "b_sparse_s0", "b_warmup_s0", "c_sparse_s0")]
-    paces = {"a_sparse_s0": 1.0, "b_sparse_s0": 3.0, "b_warmup_s0": 1.0}  # c did not report
-    # GPU cost per step = pace / 3 runs timed: a 1/3, b 1, b warm-up 1/4 * 1/3 + 3/4 * 1, c 1
-    total = 1 / 3 + 1 + (0.25 / 3 + 0.75) + 1
+    runs = [{"name": n, "arm": n.split("_")[0], "schedule": n.split("_")[1], "dense_frac": f}
+            for n, f in (("dense_sparse_s0", 1.0), ("b_sparse_s0", 0.5), ("b_warmup_s0", 0.75),
+                         ("c_sparse_s0", 0.0))]
+    paces = {"dense_sparse_s0": 1.0, "b_sparse_s0": 3.0, "b_warmup_s0": 1.5}  # c did not report
+    # GPU cost per step = pace / 3 runs timed: dense 1/3; b half dense (1/3), half its own 1;
+    # b warm-up 3/4 its own dense 1/2, 1/4 its sparse twin's 1; c the costliest, 1
+    total = 1 / 3 + (0.5 / 3 + 0.5) + (0.75 * 0.5 + 0.25) + 1
     want = qt.CALIB_TO + int(qt.SAFETY * 100 / total)
-    assert qt.plan_steps(runs, paces, 0.25, 100.0) == want
+    assert qt.plan_steps(runs, paces, 100.0) == want
 
 
 def test_plan_steps_on_two_gpus_is_set_by_the_busier_one():
     qt = _script()
-    runs = [{"name": n, "schedule": "sparse"} for n in ("a", "b", "c")]  # GPU 0: a, c; 1: b
+    runs = [{"name": n, "arm": "pisa", "schedule": "sparse", "dense_frac": 0.0}
+            for n in ("a", "b", "c")]  # GPU 0: a, c; 1: b
     paces = {"a": 1.0, "b": 1.0, "c": 3.0}
     # costs: a 1/2, c 3/2 on GPU 0 (total 2); b 1/1 on GPU 1 (total 1)
-    assert qt.plan_steps(runs, paces, 0.25, 100.0, gpus=2) == qt.CALIB_TO + int(qt.SAFETY * 50)
+    assert qt.plan_steps(runs, paces, 100.0, gpus=2) == qt.CALIB_TO + int(qt.SAFETY * 50)
 
 
 def test_curriculum_keeps_tokens_per_step_and_ends_at_the_training_length():
@@ -160,7 +163,12 @@ def test_warmup_runs_must_outlast_the_curriculum_phases_where_every_block_fits()
     assert qt.dense_share(args.phases, 4096, 4 * 64) == 0.6
     assert qt.dense_share(args.phases, 4096, 2 * 64) == 0.0
     assert qt.dense_share(args.phases, 4096, 64 * 64) == 1.0
-    assert {r["schedule"] for r in qt.plan(args)} == {"sparse", "warmup"}  # default 0.7 > 0.6
+    runs = {r["name"]: r for r in qt.plan(args)}  # default --warmup-frac 0.7 > 0.6
+    assert {r["schedule"] for r in runs.values()} == {"sparse", "warmup"}
+    assert runs["pisa16_sparse_s0"]["dense_frac"] == 0.6  # costed at the dense pace there
+    assert runs["pisa16_warmup_s0"]["dense_frac"] == 0.7
+    assert runs["pisa8_sparse_s0"]["dense_frac"] == 0.6  # 256 <= 8 * 64
+    assert runs["dense_sparse_s0"]["dense_frac"] == 1.0
     args.warmup_frac = 0.5
     with pytest.raises(ValueError, match="would equal its sparse twin"):
         qt.plan(args)
