@@ -7,7 +7,7 @@ of the suite as parallel processes, round robin over the visible GPUs, and merge
     PYTHONPATH=. python benchmarks/quality_train.py --launch --out $OUT --time-budget 500
 
 writes ``$OUT/quality_trained.json`` (``{"meta", "rows": [{"task", "arm", "K", "seed", "train_T",
-"test_T", "metric", "value", "steps", "schedule"}]}``) and ``$OUT/quality_logs.tar.gz`` (every
+"test_T", "metric", "value", "steps", "schedule"}], "beam_rows": [... and "W"]}``) and ``$OUT/quality_logs.tar.gz`` (every
 run's log with its loss curve, every run's record, the launcher's log).
 
 Protocol
@@ -41,7 +41,8 @@ Protocol
   teacher-forced argmax over the answer tokens -> metric "accuracy"), and language-modelling loss
   on ``--lm-windows`` held-out windows (``pisa.eval.tasks.ByteCorpus``: train on torch's sources,
   validate on triton's), overall (task "lm") and on tokens at positions >= ``--lm-past`` (task
-  "lm_past2048") -> metric "loss".
+  "lm_past2048") -> metric "loss". The pisa runs then re-evaluate the tasks with wider walks
+  (beam ``W = mult * K`` for each ``--eval-beams`` mult; same weights) -> ``beam_rows``.
 """
 from __future__ import annotations
 
@@ -309,7 +310,27 @@ def evaluate(model: GPT, args, val_data: torch.Tensor, record: dict, out: Path, 
         record["eval_seconds"] = round(time.time() - t0, 2)
         print(f"# eval T={T} done at {record['eval_seconds']}s", file=log, flush=True)
         _write_atomic(out / f"{args.run}.json", record)
+    if args.arm == "pisa" and not eval_beams(model, args, record, base):
+        record["status"] = "beam eval cut by the deadline"
+        return
     record["status"] = "done"
+
+
+def eval_beams(model: GPT, args, record: dict, base: dict) -> bool:
+    """The pisa arm's task accuracy with wider walks (beam ``W = mult * K`` for each
+    ``--eval-beams`` mult), the trained weights unchanged: how much of a loss is the walk's
+    pruning. Rows go to ``record["beam_rows"]`` (with ``W``); False if the deadline cut it."""
+    for mult, T in itertools.product(args.eval_beams, sorted(args.test_T)):
+        model.set_beam(mult * args.topk)
+        for task in TASKS:
+            if time.time() > args.eval_deadline:
+                return False
+            record["beam_rows"].append({"task": task, **base, "W": mult * args.topk,
+                                        "test_T": T, "metric": "accuracy",
+                                        "value": task_accuracy(model, task, T, args),
+                                        "steps": record["steps"]})
+    model.set_beam(None)
+    return True
 
 
 def run_one(args) -> dict:
@@ -325,7 +346,7 @@ def run_one(args) -> dict:
     record = {"run": args.run, "arm": args.arm, "K": None if args.arm == "dense" else args.topk,
               "seed": args.seed, "schedule": args.schedule, "lr": args.lr,
               "params": model.num_params(), "steps": 0, "target_steps": args.steps,
-              "curve": [], "rows": [], "status": "training"}
+              "curve": [], "rows": [], "beam_rows": [], "status": "training"}
     print(f"# {args.run}: {record['params']} parameters, device {args.device}", file=log,
           flush=True)
     train(model, args, train_data, record, log)
@@ -391,6 +412,7 @@ def plan(args) -> list[dict]:
 SHARED = ("train_T", "batch", "width", "depth", "heads", "kv_heads", "mlp", "block_size",
           "backend", "warmup_frac", "lr_warmup", "min_lr_frac", "wd", "clip", "eval_examples",
           "lm_windows", "lm_past", "eval_tokens", "log_every", "device", "threads")
+LISTS = ("test_T", "curriculum", "eval_beams")  # list-valued options every run shares
 
 
 def _child_argv(args, run: dict, work: Path, corpus: Path, deadlines) -> list[str]:
@@ -398,10 +420,11 @@ def _child_argv(args, run: dict, work: Path, corpus: Path, deadlines) -> list[st
             "--arm", run["arm"], "--topk", str(run["K"] or args.topk), "--seed", str(run["seed"]),
             "--schedule", run["schedule"], "--lr", repr(run["lr"]), "--out", str(work),
             "--corpus", str(corpus), "--train-deadline", repr(deadlines[0]),
-            "--eval-deadline", repr(deadlines[1]), "--test-T", *map(str, args.test_T)]
+            "--eval-deadline", repr(deadlines[1])]
     for name in SHARED:
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    argv += ["--curriculum", *args.curriculum]  # also when empty: the default is not
+    for name in LISTS:  # also when empty: the default may not be
+        argv += ["--" + name.replace("_", "-"), *map(str, getattr(args, name))]
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
     else:
@@ -558,7 +581,7 @@ def _tail(path: Path, n: int = 15) -> str:
 
 
 def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: float) -> dict:
-    rows, run_info, records = [], [], {}
+    rows, beam_rows, run_info, records = [], [], [], {}
     for run in runs:
         path = work / f"{run['name']}.json"
         rec = json.loads(path.read_text()) if path.exists() else {"status": "no record",
@@ -571,6 +594,7 @@ def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: floa
                                                    "eval_seconds", "params")})
         if not run["sweep"]:
             rows += rec["rows"]
+            beam_rows += rec.get("beam_rows", [])
     sweep = []
     for run in runs:
         if run["arm"] == "dense" and run["seed"] == 0 and (run["sweep"] or run["lr"] == args.lr):
@@ -584,7 +608,8 @@ def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: floa
     m = meta(args.device, command)
     m.update({
         "config": {name: getattr(args, name) for name in SHARED}
-        | {"test_T": args.test_T, "lr": args.lr, "seeds": args.seeds, "arms": args.arms,
+        | {"test_T": args.test_T, "eval_beams": args.eval_beams, "lr": args.lr,
+           "seeds": args.seeds, "arms": args.arms,
            "warmup_arms": args.warmup_arms, "time_budget": args.time_budget,
            "curriculum": args.phases, "gpus": args.gpus},
         "tasks": list(TRAIN_TASKS), "corpus": corpus_info, "calibration": calib,
@@ -593,15 +618,18 @@ def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: floa
         "notes": "accuracy = exact match per question (teacher-forced argmax of every answer "
                  "token); lm / lm_past<N> = mean next-byte cross-entropy (nats) on held-out "
                  "code, over all positions / targets at positions >= N; dense rows carry "
-                 "schedule 'sparse' (dense from step 0); steps = optimizer steps reached."})
-    return {"meta": m, "rows": rows}
+                 "schedule 'sparse' (dense from step 0); steps = optimizer steps reached; "
+                 "beam_rows = the pisa runs' task accuracy re-evaluated with a wider walk "
+                 "(beam W), the same weights (rows: W = K)."})
+    return {"meta": m, "rows": rows, "beam_rows": beam_rows}
 
 
 def summary(result: dict) -> str:
     """Mean over seeds per task, arm and schedule, one column per test length."""
     cells: dict[tuple, list] = {}
-    for r in result["rows"]:
-        cells.setdefault((r["task"], r["arm"], r["K"], r["schedule"], r["test_T"]), []).append(
+    for r in result["rows"] + result.get("beam_rows", []):
+        arm = f"{r['arm']} W={r['W']}" if "W" in r else r["arm"]
+        cells.setdefault((r["task"], arm, r["K"], r["schedule"], r["test_T"]), []).append(
             r["value"])
     lengths = sorted({k[4] for k in cells})
     lines = ["task | arm | K | schedule | " + " | ".join(f"T={T}" for T in lengths)]
@@ -672,6 +700,8 @@ def parse_args(argv=None):
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--eval-examples", type=int, default=32)
+    ap.add_argument("--eval-beams", type=int, nargs="*", default=[2, 4], metavar="MULT",
+                    help="pisa runs: also evaluate the tasks with beam W = MULT * K")
     ap.add_argument("--lm-windows", type=int, default=8)
     ap.add_argument("--lm-past", type=int, default=2048)
     ap.add_argument("--eval-tokens", type=int, default=65536, help="tokens per eval forward")

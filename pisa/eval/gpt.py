@@ -103,6 +103,12 @@ class GPT(nn.Module):
             for block in self.blocks:
                 block.attn.attn = "pisa" if sparse else "dense"
 
+    def set_beam(self, beam: int | None) -> None:
+        """The pisa arm's walk beam from now on (``None``: ``topk``); the other arms ignore it."""
+        if self.cfg.arm == "pisa":
+            for block in self.blocks:
+                block.attn.pisa_kwargs["beam"] = beam
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -33,3 +33,16 @@ def test_tied_head_and_bad_arm():
     assert model.embed.weight.grad is not None and model.embed.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="arm must be one of"):
         GPTConfig(arm="moba")
+
+
+def test_a_beam_as_wide_as_the_blocks_walks_to_the_flat_lse_selection(rng):
+    _, pisa = _pair("pisa")
+    _, flat = _pair("flat_lse")
+    flat.load_state_dict(pisa.state_dict())
+    ids = torch.randint(0, 264, (2, 1024))  # 64 blocks: beam 4 prunes the walk, beam 64 not
+    with torch.no_grad():
+        assert (pisa(ids) - flat(ids)).abs().max() > 1e-3
+        pisa.set_beam(64)
+        torch.testing.assert_close(pisa(ids), flat(ids), rtol=1e-4, atol=1e-4)
+        pisa.set_beam(None)
+        assert (pisa(ids) - flat(ids)).abs().max() > 1e-3

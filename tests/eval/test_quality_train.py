@@ -58,6 +58,18 @@ def check_rows(rows, arms, lengths, steps):
     assert {r["task"] for r in rows} == TASK_ROWS | {"lm", "lm_past256"}
 
 
+def check_beam_rows(result, beams, lengths):
+    """pisa runs: every task re-evaluated at each wider beam; other arms: none."""
+    got = result["beam_rows"]
+    pisa = [r for r in result["rows"] if r["arm"] == "pisa" and r["metric"] == "accuracy"]
+    assert len(got) == len(beams) * len(pisa)
+    for r in got:
+        assert set(r) == ROW_KEYS | {"W"} and r["arm"] == "pisa" and r["W"] in beams
+        assert r["metric"] == "accuracy" and 0.0 <= r["value"] <= 1.0 and r["test_T"] in lengths
+    assert {(r["task"], r["test_T"], r["seed"]) for r in got} == \
+        {(r["task"], r["test_T"], r["seed"]) for r in pisa}
+
+
 @pytest.mark.parametrize("arm,schedule", [("dense", "sparse"), ("pisa", "sparse"),
                                           ("pisa", "warmup"), ("flat_mean", "sparse"),
                                           ("flat_lse", "sparse")])
@@ -72,6 +84,7 @@ def test_every_arm_trains_and_evaluates(arm, schedule, site, tmp_path):
     assert rec["status"] == "done" and rec["steps"] == 3 and len(rec["curve"]) == 3
     assert all(math.isfinite(p["loss"]) for p in rec["curve"])
     check_rows(rec["rows"], {arm}, {512}, 3)
+    check_beam_rows(rec, {8, 16}, {512})
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == rec["rows"]
 
 
@@ -199,6 +212,7 @@ def test_launcher_calibrates_one_step_count_and_merges_runs_into_the_schema(site
     assert {(r["arm"], r["schedule"]) for r in result["rows"]} == {("dense", "sparse"),
                                                                    ("pisa", "warmup")}
     assert len(result["rows"]) == 2 * 7  # the sweep run stays out of the rows
+    check_beam_rows(result, {8, 16}, {512})
     assert [s["lr"] for s in meta["lr_sweep"]] == [2e-3, 4e-3]
     with tarfile.open(out / "quality_logs.tar.gz") as tar:
         names = set(tar.getnames())
@@ -230,3 +244,4 @@ def test_every_arm_trains_on_gpu_at_the_suite_shapes(arm, schedule, tmp_path):
     for r in rec["rows"]:
         assert set(r) == ROW_KEYS and math.isfinite(r["value"])
     assert {r["test_T"] for r in rec["rows"]} == {4096, 16384}
+    check_beam_rows(rec, {32, 64}, {4096, 16384})
