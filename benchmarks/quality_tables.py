@@ -1,9 +1,13 @@
 """Render ``quality_trained.json`` (benchmarks/quality_train.py) as ``docs/quality_trained.md``
-(mean +- std over seeds per task, arm, schedule and test length; LM loss against dense; where PISA
-loses) and ``docs/quality_trained.png`` (skipped when matplotlib is missing).
+(mean +- std over seeds per task, arm, schedule and test length; LM loss against dense; the pisa
+runs re-evaluated with wider walks; where PISA loses) and ``docs/quality_trained.png`` (skipped
+when matplotlib is missing).
 
     python benchmarks/quality_tables.py benchmarks/results/quality_trained.json \\
         --md docs/quality_trained.md --png docs/quality_trained.png
+
+Several files (launches of one protocol that ran different arms) render as one: their rows and
+runs are pooled, the first file's meta heads the page and every launch's command is listed.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ def _config_key(c):
 
 
 def _label(c) -> str:
-    arm, K, schedule = c
-    return arm + (f" K={K}" if K else "") + (" (dense warm-up)" if schedule == "warmup" else "")
+    arm, K, schedule, *W = c
+    return (arm + (f" K={K}" if K else "") + (f" W={W[0]}" if W else "")
+            + (" (dense warm-up)" if schedule == "warmup" else ""))
 
 
 class Results:
@@ -37,9 +42,15 @@ class Results:
         for r in self.rows:
             key = (r["task"], (r["arm"], r["K"], r["schedule"]), r["test_T"])
             self.cells.setdefault(key, []).append(r["value"])
+        # the pisa runs re-evaluated with a wider walk: config (arm, K, schedule, W)
+        for r in result.get("beam_rows", []):
+            key = (r["task"], (r["arm"], r["K"], r["schedule"], r["W"]), r["test_T"])
+            self.cells.setdefault(key, []).append(r["value"])
+        self.wide = sorted({k[1] for k in self.cells if len(k[1]) == 4},
+                           key=lambda c: (_config_key(c[:3]), c[3]))
         self.tasks = sorted({k[0] for k in self.cells}, key=lambda t: (
             t.startswith("lm"), (RETRIEVAL + HARD + (t,)).index(t), t))
-        self.configs = sorted({k[1] for k in self.cells}, key=_config_key)
+        self.configs = sorted({k[1] for k in self.cells if len(k[1]) == 3}, key=_config_key)
         self.lengths = sorted({k[2] for k in self.cells})
 
     def stats(self, task, config, T):
@@ -78,6 +89,19 @@ def task_table(res: Results, task: str) -> str:
         cells = [_cell(res.stats(task, c, T)) for T in res.lengths]
         if any(x != "-" for x in cells):
             lines.append(f"| {_label(c)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def beam_table(res: Results, task: str) -> str:
+    """A pisa config at W = K (its trained walk), the same weights at the wider beams, and the
+    flat selectors and dense for reference."""
+    head = "| arm | " + " | ".join(f"T={T}" for T in res.lengths) + " |"
+    lines = [head, "|---|" + "---|" * len(res.lengths)]
+    base = sorted({c[:3] for c in res.wide}, key=_config_key)
+    refs = [c for c in res.configs if c[0] != "pisa" and c[2] == "sparse"]
+    for c in [x for b in base for x in [b] + [w for w in res.wide if w[:3] == b]] + refs:
+        lines.append(f"| {_label(c)} | "
+                     + " | ".join(_cell(res.stats(task, c, T)) for T in res.lengths) + " |")
     return "\n".join(lines)
 
 
@@ -142,11 +166,14 @@ def checks(res: Results) -> list[str]:
         fm = res.partner("flat_mean", K, schedule)
         longer = [T for T in res.lengths if T > (train_T or 0)]
         if fm is not None and longer:
-            bad = [f"{t}@{T}" for t in RETRIEVAL for T in longer
-                   if None not in (res.mean(t, c, T), res.mean(t, fm, T))
-                   and res.mean(t, c, T) < res.mean(t, fm, T)]
-            out.append(f"- {_label(c)} ≥ {_label(fm)} on every retrieval task beyond the training "
-                       f"length: {'PASS' if not bad else 'FAIL (' + ', '.join(bad) + ')'}")
+            for wide in [c] + [w for w in res.wide if w[:3] == c]:
+                bad = [f"{t}@{T}" for t in RETRIEVAL for T in longer
+                       if None not in (res.mean(t, wide, T), res.mean(t, fm, T))
+                       and res.mean(t, wide, T) < res.mean(t, fm, T)]
+                out.append(f"- {_label(wide)} ≥ {_label(fm)} on every retrieval task beyond the "
+                           f"training length: "
+                           f"{'PASS' if not bad else 'FAIL (' + ', '.join(bad) + ')'}"
+                           + ("" if wide is c else " — same weights, wider walk (not the bar)"))
         d, p = res.mean("lm", ("dense", None, "sparse"), train_T), res.mean("lm", c, train_T)
         if d is not None and p is not None:
             gap = 100 * (p / d - 1)
@@ -178,7 +205,12 @@ def sweep_table(meta: dict) -> str:
 
 def markdown(res: Results, png: str | None) -> str:
     cfg = res.meta.get("config", {})
-    parts = ["# Trained-model quality: dense vs PISA vs flat selectors", "", header(res.meta),
+    launches = res.meta.get("launches", [])
+    parts = ["# Trained-model quality: dense vs PISA vs flat selectors", "", header(res.meta)]
+    if len(launches) > 1:
+        parts += ["Launches pooled on this page: "
+                  + "; ".join(f"`{m['command']}` ({m['date']})" for m in launches), ""]
+    parts += [
              "Small GPTs (`pisa/eval/gpt.py`) trained at T = "
              f"{cfg.get('train_T')} on language modelling plus the synthetic tasks of "
              "`pisa/eval/tasks.py`, one model per run, evaluated at every length below. "
@@ -196,6 +228,13 @@ def markdown(res: Results, png: str | None) -> str:
     for task in res.tasks:
         parts += [f"## {task}", ""]
         parts += [lm_table(res, task) if task.startswith("lm") else task_table(res, task), ""]
+    if res.wide:
+        parts += ["## PISA with wider walks (same weights)", "",
+                  "Each pisa run re-evaluated with beam W > K (selection keeps K blocks; the "
+                  "walk prunes less): how much of pisa's gap is the walk's pruning rather than "
+                  "the trained model.", ""]
+        for task in (t for t in res.tasks if not t.startswith("lm")):
+            parts += [f"### {task}", "", beam_table(res, task), ""]
     losses = where_pisa_loses(res)
     parts += ["## Where PISA loses", "",
               "Every cell where a PISA arm's mean is worse than flat_mean / flat_lse at the same "
@@ -242,13 +281,27 @@ def plot(res: Results, path: str) -> bool:
     return True
 
 
+def pool(results: list[dict]) -> dict:
+    """One result from several launches: rows, beam rows, runs and sweeps pooled; the first
+    launch's meta, with every launch's command and date under ``launches``."""
+    meta = dict(results[0]["meta"])
+    meta["launches"] = [{k: r["meta"].get(k) for k in ("command", "date")} for r in results]
+    for key in ("runs", "lr_sweep"):
+        meta[key] = [x for r in results for x in r["meta"].get(key, [])]
+    meta["calibration"] = {"sec_per_step": {k: v for r in results for k, v in (
+        (r["meta"].get("calibration") or {}).get("sec_per_step", {}).items())}}
+    return {"meta": meta, "rows": [x for r in results for x in r["rows"]],
+            "beam_rows": [x for r in results for x in r.get("beam_rows", [])]}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json", nargs="?", default="benchmarks/results/quality_trained.json")
+    ap.add_argument("json", nargs="*", default=["benchmarks/results/quality_trained.json"])
     ap.add_argument("--md", default="docs/quality_trained.md")
     ap.add_argument("--png", default="docs/quality_trained.png")
     args = ap.parse_args(argv)
-    res = Results(json.loads(Path(args.json).read_text()))
+    results = [json.loads(Path(p).read_text()) for p in args.json]
+    res = Results(results[0] if len(results) == 1 else pool(results))
     png = args.png if args.png and plot(res, args.png) else None
     Path(args.md).write_text(markdown(res, png))
     print(f"wrote {args.md}" + (f" and {png}" if png else ""))

@@ -1,0 +1,100 @@
+"""Does the selection find ONE sharp key? A single planted key in random keys, the last query.
+
+Keys and the query are Gaussian (the query's logits ``scale * q . k`` have std 1); one key at a
+random position outside the forced blocks gets ``z`` added to its logit. A selector "hits" when
+the needle's block is among its K blocks. flat_lse scores every block exactly and finds it once
+``z`` stands out of the block's noise; flat_mean scores block means, where the needle weighs
+``1 / C``; the pyramid walk prunes each level by LogSumExp over its children's mean keys, so at
+level ``l`` the needle weighs ``1 / (C * g^(l-2))`` of its child's summary: the deeper the walk
+(the longer the context for a fixed beam), the larger ``z`` must be to survive the coarse levels.
+This isolates the walk's pruning from training effects (see ``docs/quality.md``).
+
+    python benchmarks/needle_walk.py --json benchmarks/results/needle_walk.json
+    python benchmarks/needle_walk.py --table benchmarks/results/needle_walk.json  # docs table
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from pisa import pisa_select
+from pisa.bench import meta
+
+D, C, K = 64, 64, 16
+
+
+def _arms(beams):
+    return [(f"pisa W={w}", dict(selector="pyramid", beam=w)) for w in beams] + [
+        ("flat_mean", dict(selector="flat_mean")), ("flat_lse", dict(selector="flat_lse"))]
+
+
+def hit_rates(T: int, z: float, trials: int, beams, gen: torch.Generator,
+              chunk: int = 25) -> dict[str, float]:
+    """Share of ``trials`` whose needle block each selector picks, last query of ``T`` keys."""
+    hits = {name: 0 for name, _ in _arms(beams)}
+    scale = D ** -0.5
+    for s in range(0, trials, chunk):
+        n = min(chunk, trials - s)
+        q = torch.randn(n, 1, 1, D, generator=gen)
+        k = torch.randn(n, T, 1, D, generator=gen)
+        # not in the forced blocks (sink, previous, current: T is a multiple of C)
+        pos = torch.randint(C, T - 2 * C, (n,), generator=gen)
+        lift = z / (scale * q[:, 0, 0].pow(2).sum(-1))  # adds z to the needle's logit
+        k[torch.arange(n), pos, 0] += lift[:, None] * q[:, 0, 0]
+        block = (pos // C)[:, None]
+        for name, kw in _arms(beams):
+            idx, _ = pisa_select(q, k, block_size=C, topk=K, backend="torch", **kw)
+            hits[name] += int((idx[:, 0, 0] == block).any(-1).sum())
+    return {name: h / trials for name, h in hits.items()}
+
+
+def markdown(rows: list[dict]) -> str:
+    """Hit rate per (T, z), one column per selector."""
+    names = list(dict.fromkeys(r["selector"] for r in rows))
+    cells = {(r["T"], r["z"], r["selector"]): r["hit_rate"] for r in rows}
+    out = ["| T | z | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for T, z in dict.fromkeys((r["T"], r["z"]) for r in rows):
+        out.append(f"| {T} | {z:g} | " + " | ".join(f"{cells[T, z, n]:.2f}" for n in names)
+                   + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--margins", type=float, nargs="+", default=[4.0, 6.0, 8.0, 12.0])
+    ap.add_argument("--beams", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--trials", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--table", help="print the markdown table of this results file and exit")
+    args = ap.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown(json.load(f)["rows"]))
+        return
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for T in args.lengths:
+        for z in args.margins:
+            rates = hit_rates(T, z, args.trials, args.beams, gen)
+            rows += [{"T": T, "z": z, "selector": name, "K": K, "hit_rate": r}
+                     for name, r in rates.items()]
+            print(f"T={T} z={z:g}: " + ", ".join(f"{n} {r:.2f}" for n, r in rates.items()),
+                  flush=True)
+    if args.json:
+        m = meta("cpu", "python benchmarks/needle_walk.py " + " ".join(sys.argv[1:] if argv is None else argv))
+        m.update({"D": D, "C": C, "K": K, "branching": 2, "trials": args.trials,
+                  "notes": "hit_rate = share of trials whose needle block is selected by the "
+                           "last query; z = the needle's logit minus the mean logit (logit "
+                           "std 1); forced blocks excluded from needle positions"})
+        with open(args.json, "w") as f:
+            json.dump({"meta": m, "rows": rows}, f, indent=1)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
