@@ -86,7 +86,8 @@ def main(argv=None) -> None:
             print(f"T={T} z={z:g}: " + ", ".join(f"{n} {r:.2f}" for n, r in rates.items()),
                   flush=True)
     if args.json:
-        m = meta("cpu", "python benchmarks/needle_walk.py " + " ".join(sys.argv[1:] if argv is None else argv))
+        given = sys.argv[1:] if argv is None else argv
+        m = meta("cpu", "python benchmarks/needle_walk.py " + " ".join(given))
         m.update({"D": D, "C": C, "K": K, "branching": 2, "trials": args.trials,
                   "notes": "hit_rate = share of trials whose needle block is selected by the "
                            "last query; z = the needle's logit minus the mean logit (logit "

@@ -7,8 +7,9 @@ of the suite as parallel processes, round robin over the visible GPUs, and merge
     PYTHONPATH=. python benchmarks/quality_train.py --launch --out $OUT --time-budget 500
 
 writes ``$OUT/quality_trained.json`` (``{"meta", "rows": [{"task", "arm", "K", "seed", "train_T",
-"test_T", "metric", "value", "steps", "schedule"}], "beam_rows": [... and "W"]}``) and ``$OUT/quality_logs.tar.gz`` (every
-run's log with its loss curve, every run's record, the launcher's log).
+"test_T", "metric", "value", "steps", "schedule"}], "beam_rows": [... and "W"]}``) and
+``$OUT/quality_logs.tar.gz`` (every run's log with its loss curve, every run's record, the
+launcher's log).
 
 Protocol
 - Model (``pisa.eval.gpt``): 4 layers, width 256, 4 query / 2 KV heads of 64, SwiGLU 768, byte
@@ -27,9 +28,10 @@ Protocol
 - Arms: dense; pisa at K = 8 and 16; flat_mean and flat_lse at K = 16 (C = 64, W = K). Schedules:
   "sparse" (sparse from step 0) and "warmup" (dense for the first ``--warmup-frac`` of the steps,
   then sparse; default 0.7, past the curriculum's start where every block fits the budget — a
-  warm-up that ends inside it would equal the sparse run and is rejected). Dense rows carry schedule "sparse" (dense attention from step 0). Seeds 0, 1, 2:
-  the seed sets the initialisation and the training data stream, so arms of one seed see the
-  same batches; the evaluation data are the same for every run.
+  warm-up that ends inside it would equal the sparse run and is rejected). Dense rows carry
+  schedule "sparse" (dense attention from step 0). Seeds 0, 1, 2: the seed sets the
+  initialisation and the training data stream, so arms of one seed see the same batches; the
+  evaluation data are the same for every run.
 - Same steps for every run: each run compiles its kernels, waits for all others, times a few
   steps under full contention, and the launcher sets one step count for all from those paces and
   the time left (``plan_steps``; ``--steps`` fixes it instead). ``--time-budget`` is a hard wall:

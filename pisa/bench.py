@@ -24,7 +24,7 @@ from .api import pisa_attn, pisa_attn_with_kvcache, pisa_select
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 from .cache import PisaCache
-from .eval.metrics import captured_mass, dense_lse, recall_at_k
+from .eval.metrics import SelectionScorer
 from .eval.synthetic import structured_qkv
 
 SELECTORS = ("pyramid", "flat_mean", "flat_lse")
@@ -178,24 +178,15 @@ def run_bench(cfg: BenchConfig, command: str = "pisa bench") -> dict:
         q, k, v = structured_qkv(cfg.batch, T, cfg.heads, cfg.kv_heads, cfg.head_dim,
                                  block_size=cfg.block_size, dtype=dtype, device=cfg.device,
                                  seed=T)
-        quality = T <= cfg.quality_max
-        full = dense_lse(q, k, cfg.head_dim ** -0.5) if quality else None
-        oracle = None
+        score = SelectionScorer(q, k, **knobs) if T <= cfg.quality_max else None
         for sel in SELECTORS:
             if sel == "flat_lse" and T > cfg.flat_lse_max:
                 continue
             reset_peak(cfg.device)
             ms = time_ms(lambda: pisa_select(q, k, selector=sel, **knobs), cfg.device, cfg.reps)
             peak = peak_gb(cfg.device)
-            recall = mass = None
-            if quality:
-                idx, _ = pisa_select(q, k, selector=sel, **knobs)
-                oracle = oracle if oracle is not None else \
-                    pisa_select(q, k, selector="flat_lse", **knobs)[0]
-                recall = recall_at_k(idx, oracle, T, cfg.block_size)
-                mass = captured_mass(q, k, idx, cfg.block_size, full_lse=full,
-                                     backend=cfg.backend)
-            row("select", sel, T, ms, peak, recall, mass)
+            quality = score(score.select(sel)) if score else {"recall": None, "mass": None}
+            row("select", sel, T, ms, peak, quality["recall"], quality["mass"])
         reset_peak(cfg.device)
         row("fwd", "pisa", T, time_ms(lambda: pisa_attn(q, k, v, **knobs), cfg.device, cfg.reps),
             peak_gb(cfg.device))

@@ -73,6 +73,39 @@ def output_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
+class SelectionScorer:
+    """Scores selections for one ``q [B, Tq, HQ, D]``, ``k [B, Tk, HKV, D]`` against the exact
+    flat scan (``flat_lse``, the mass-optimal top-K): its selection and the dense LSE are computed
+    once. ``knobs`` are ``pisa_select`` keyword arguments (block_size, topk, branching, ...).
+
+    ``scorer(block_idx)`` -> ``{"recall", "mass", "mass_ratio"}``: recall@K of the oracle's free
+    blocks, the softmax mass the selection captures, and that mass over the oracle's.
+    """
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, backend: str = "auto", **knobs):
+        self.q, self.k, self.backend = q, k, backend
+        self.block_size = knobs.get("block_size", 64)
+        self.scale = knobs.pop("scale", None) or q.shape[-1] ** -0.5
+        self.knobs = knobs
+        self.full = dense_lse(q, k, self.scale)
+        self.oracle = self.select("flat_lse")
+        self.oracle_mass = self.mass(self.oracle)
+
+    def select(self, selector: str, **overrides) -> torch.Tensor:
+        """``block_idx`` of ``selector`` with this scorer's knobs (``overrides`` on top)."""
+        return pisa_select(self.q, self.k, selector=selector, scale=self.scale,
+                           backend=self.backend, **(self.knobs | overrides))[0]
+
+    def mass(self, block_idx: torch.Tensor) -> float:
+        return captured_mass(self.q, self.k, block_idx, self.block_size, self.scale, self.full,
+                             self.backend)
+
+    def __call__(self, block_idx: torch.Tensor) -> dict[str, float]:
+        mass = self.mass(block_idx)
+        return {"recall": recall_at_k(block_idx, self.oracle, self.k.shape[1], self.block_size),
+                "mass": mass, "mass_ratio": mass / self.oracle_mass}
+
+
 def selection_report(q: torch.Tensor, k: torch.Tensor, selectors=("pyramid", "flat_mean"),
                      backend: str = "auto", **knobs) -> dict[str, dict[str, float]]:
     """Recall@K, captured mass and mass ratio of each selector against ``flat_lse``.
@@ -80,15 +113,8 @@ def selection_report(q: torch.Tensor, k: torch.Tensor, selectors=("pyramid", "fl
     ``knobs`` are ``pisa_select`` keyword arguments (block_size, topk, beam, ...). Returns
     ``{selector: {"recall", "mass", "mass_ratio"}}`` including ``flat_lse`` itself.
     """
-    block_size = knobs.get("block_size", 64)
-    scale = knobs.pop("scale", None) or q.shape[-1] ** -0.5
-    full = dense_lse(q, k, scale)
-    oracle, _ = pisa_select(q, k, selector="flat_lse", scale=scale, backend=backend, **knobs)
-    oracle_mass = captured_mass(q, k, oracle, block_size, scale, full, backend)
-    report = {"flat_lse": {"recall": 1.0, "mass": oracle_mass, "mass_ratio": 1.0}}
+    scorer = SelectionScorer(q, k, backend, **knobs)
+    report = {"flat_lse": {"recall": 1.0, "mass": scorer.oracle_mass, "mass_ratio": 1.0}}
     for name in selectors:
-        idx, _ = pisa_select(q, k, selector=name, scale=scale, backend=backend, **knobs)
-        mass = captured_mass(q, k, idx, block_size, scale, full, backend)
-        report[name] = {"recall": recall_at_k(idx, oracle, k.shape[1], block_size),
-                        "mass": mass, "mass_ratio": mass / oracle_mass}
+        report[name] = scorer(scorer.select(name))
     return report

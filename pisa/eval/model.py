@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
+import shlex
+import sys
 
 import torch
 
-from ..bench import default_device
+from ..bench import default_device, meta
 from ..integrations import hf
 from .gpt import ARMS
 
@@ -51,6 +54,26 @@ def load_smollm2(device: str | None = None, dtype: torch.dtype = torch.float32):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True,
                                                  dtype=dtype, attn_implementation="sdpa")
     return model.to(device or default_device()).eval(), tokenizer
+
+
+def start_eval(tag: str, device: str | None, argv: list[str]):
+    """A ``pisa eval`` command's start: SmolLM2 loaded on ``device`` (default: CUDA if present)
+    with progress on stderr, and its result file's meta (card, versions, date, command, model).
+    Returns ``(model, tokenizer, info)``."""
+    device = device or default_device()
+    print(f"[{tag}] loading {SMOLLM2_NAME} on {device}", file=sys.stderr, flush=True)
+    model, tokenizer = load_smollm2(device)
+    info = meta(device, "pisa " + shlex.join(argv))
+    info["model"] = SMOLLM2_NAME
+    return model, tokenizer, info
+
+
+def write_result(path: str | None, info: dict, rows: list[dict]) -> None:
+    """``{"meta": info, "rows": rows}`` to ``path`` (nothing without one); the commands call it
+    after each length, so a long run keeps what it finished."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"meta": info, "rows": rows}, f, indent=1)
 
 
 def tiny_llama(vocab_size: int = 128, num_layers: int = 2, hidden_size: int = 64,

@@ -17,10 +17,8 @@ Result file (``--json``): ``{"meta": {...}, "rows": [{"model", "task" ("passkey"
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -29,7 +27,8 @@ import torch
 
 from .gpt import ARMS
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is"
 # Documents of the corpus that ``pisa eval recall`` reads first; the LM measurement skips them.
@@ -193,38 +192,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")
 
 
-def _write(path: str | None, info: dict, rows: list[dict]) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump({"meta": info, "rows": rows}, f, indent=1)
-
-
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    from ..bench import meta
     from .corpus import corpus, token_samples
-    from ..bench import default_device
-    from .model import SMOLLM2_NAME, load_smollm2
+    from .model import start_eval, write_result
 
-    device = args.device or default_device()
     cfg = PasskeyConfig(lengths=args.lengths, depths=args.depths, samples=args.samples,
                         arms=args.arms, topk=args.topk, block_size=args.block_size,
                         beam=args.beam, backend=args.backend)
-    print(f"[passkey] loading {SMOLLM2_NAME} on {device}", file=cfg.log, flush=True)
-    model, tokenizer = load_smollm2(device)
+    model, tokenizer, info = start_eval("passkey", args.device, argv)
     name = "SmolLM2-135M-Instruct"
-    info = meta(device, "pisa " + shlex.join(argv))
-    info.update(model=SMOLLM2_NAME, filler=FILLER, needle=NEEDLE, question=QUESTION)
+    info.update(filler=FILLER, needle=NEEDLE, question=QUESTION)
     rows = []
-    # one length at a time, rewriting the file after each: a long run keeps what it finished
     for T in cfg.lengths:
         rows += passkey_rows(model, tokenizer, replace(cfg, lengths=[T]), name)
-        _write(args.json, info, rows)
+        write_result(args.json, info, rows)
     if not args.no_lm:
         info["corpus"] = corpus()[0]
         for T in cfg.lengths:
             docs = {T: token_samples(tokenizer, T, cfg.samples, skip=HELD_OUT_SKIP)}
             rows += lm_rows(model, docs, cfg, name)
-            _write(args.json, info, rows)
+            write_result(args.json, info, rows)
     print(format_table(rows))
     if args.json:
         print(f"wrote {args.json}")

@@ -15,18 +15,15 @@ Result file (``--json``): ``{"meta": {...}, "rows": [{"model", "layer", "T", "se
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..api import pisa_select
 from ..ops.select import CHUNK_ELEMS
 from ..ops.utils import cdiv
-from .metrics import captured_mass, dense_lse, recall_at_k
+from .metrics import SelectionScorer
 
 FIELDS = ("model", "layer", "T", "selector", "K", "W", "recall", "mass", "mass_ratio")
 
@@ -75,39 +72,28 @@ def random_select(batch: int, n_queries: int, n_keys: int, n_kv_heads: int, bloc
 
 class LayerQuality:
     """Selection quality on one layer's ``q [B, T, HQ, D]``, ``k [B, T, HKV, D]`` against the
-    exact flat scan (its selection, and the dense LSE for the masses, computed once)."""
+    exact flat scan (``SelectionScorer``: its selection and the dense LSE computed once)."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, cfg: RecallConfig):
-        self.q, self.k, self.cfg = q, k, cfg
-        self.scale = q.shape[-1] ** -0.5
-        self.knobs = {"block_size": cfg.block_size, "topk": cfg.topk,
-                      "branching": cfg.branching, "scale": self.scale, "backend": cfg.backend}
-        self.full = dense_lse(q, k, self.scale)
-        self.oracle, _ = pisa_select(q, k, selector="flat_lse", **self.knobs)
-        self.oracle_mass = self._mass(self.oracle)
-
-    def _mass(self, idx: torch.Tensor) -> float:
-        return captured_mass(self.q, self.k, idx, self.cfg.block_size, self.scale, self.full,
-                             self.cfg.backend)
+        self.cfg = cfg
+        self.score = SelectionScorer(q, k, cfg.backend, block_size=cfg.block_size,
+                                     topk=cfg.topk, branching=cfg.branching)
 
     def measure(self, selector: str, W: int | None = None,
                 generator: torch.Generator | None = None) -> dict:
         """``{"selector", "W", "recall", "mass", "mass_ratio"}`` of ``selector`` ("pisa" at beam
         ``W``, "flat_mean" or "random")."""
-        q, k, cfg = self.q, self.k, self.cfg
+        q, k, cfg = self.score.q, self.score.k, self.cfg
         if selector == "pisa":
-            idx, _ = pisa_select(q, k, beam=W, **self.knobs)
+            idx = self.score.select("pyramid", beam=W)
         elif selector == "flat_mean":
-            idx, _ = pisa_select(q, k, selector="flat_mean", **self.knobs)
+            idx = self.score.select("flat_mean")
         elif selector == "random":
             idx = random_select(q.shape[0], q.shape[1], k.shape[1], k.shape[2], cfg.block_size,
                                 cfg.topk, generator, q.device)
         else:
             raise ValueError(f"selector must be 'pisa', 'flat_mean' or 'random', got {selector!r}")
-        mass = self._mass(idx)
-        return {"selector": selector, "W": W,
-                "recall": recall_at_k(idx, self.oracle, k.shape[1], cfg.block_size),
-                "mass": mass, "mass_ratio": mass / self.oracle_mass}
+        return {"selector": selector, "W": W, **self.score(idx)}
 
 
 def _widest_useful_beam(T: int, cfg: RecallConfig) -> int:
@@ -237,32 +223,25 @@ DEFAULT_LAYERS = [0, 6, 12, 18, 24, 29]
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    from ..bench import meta
     from .corpus import corpus, token_samples
-    from ..bench import default_device
-    from .model import SMOLLM2_NAME, load_smollm2
+    from .model import start_eval, write_result
 
-    device = args.device or default_device()
     layers = DEFAULT_LAYERS if args.layers is None else (None if args.layers == [-1]
                                                          else args.layers)
     cfg = RecallConfig(lengths=args.lengths, layers=layers, samples=args.samples,
                        topk=args.topk, block_size=args.block_size, branching=args.branching,
                        target=args.target, backend=args.backend)
-    print(f"[recall] loading {SMOLLM2_NAME} on {device}", file=cfg.log, flush=True)
-    model, tokenizer = load_smollm2(device)
+    model, tokenizer, info = start_eval("recall", args.device, argv)
     source = corpus()[0]
     print(f"[recall] documents: {source}", file=cfg.log, flush=True)
-    info = meta(device, "pisa " + shlex.join(argv))
-    info.update(model=SMOLLM2_NAME, corpus=source, samples=cfg.samples, C=cfg.block_size,
-                g=cfg.branching, target=cfg.target)
+    info.update(corpus=source, samples=cfg.samples, C=cfg.block_size, g=cfg.branching,
+                target=cfg.target)
     rows = []
-    for T in cfg.lengths:  # the file is rewritten after each length: a long run keeps its part
+    for T in cfg.lengths:
         docs = {T: token_samples(tokenizer, T, cfg.samples)}
         rows += recall_rows(model, docs, cfg, "SmolLM2-135M-Instruct")
         info["summary"] = summarize(rows, cfg.target)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": info, "rows": rows}, f, indent=1)
+        write_result(args.json, info, rows)
     print(format_table(rows))
     for T, s in info["summary"].items():
         print(f"T={T}: pisa (W=K) recall >= flat_mean in {s['pisa_ge_flat_mean_layers']}/"
