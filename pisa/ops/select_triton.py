@@ -56,6 +56,8 @@ Levers (off by default; both depart from the oracle):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -800,6 +802,14 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+@functools.lru_cache(maxsize=256)
+def _device_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The pyramid's level offsets as an int32 tensor on ``device``, made once per geometry: a
+    fresh ``torch.tensor(..., device=cuda)`` per call is a blocking copy that syncs the host with
+    the GPU at every layer. Kernels only read it."""
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
 def _launch_pyramid_build(k: torch.Tensor, block_size: int, branching: int,
                           offsets: tuple[int, ...], leaves_per_program: int = 16):
     """Means ``[B, offsets[-1], HKV, D]`` fp32 and counts ``[offsets[-1]]`` int32 of ``k``."""
@@ -808,7 +818,7 @@ def _launch_pyramid_build(k: torch.Tensor, block_size: int, branching: int,
     n_levels = len(offsets) - 1
     means = torch.empty(B, offsets[-1], H, D, dtype=torch.float32, device=k.device)
     counts = torch.empty(offsets[-1], dtype=torch.int32, device=k.device)
-    off = torch.tensor(offsets, dtype=torch.int32, device=k.device)
+    off = _device_offsets(tuple(offsets), k.device)
     DP = max(16, _pow2(D))
     leaves = _pow2(leaves_per_program)
     # In-chunk levels need G_BR siblings to be adjacent rows of a power-of-two register tile.
@@ -894,7 +904,7 @@ def _launch_select_pyramid(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx,
     GP = max(_pow2(G), cdiv(16, BT))  # BT * GP >= 16 rows for tl.dot
     n_levels = pyramid.n_levels
     top_span = g ** (n_levels - 2) if n_levels >= 2 else 1
-    off = torch.tensor(pyramid.offsets, dtype=torch.int32, device=q.device)
+    off = _device_offsets(tuple(pyramid.offsets), q.device)
     means, LO = _walk_means(pyramid, q, walk_means)
     sub, sub_counts = pyramid.means, pyramid.counts
     if leaf_sub_blocks:
@@ -950,7 +960,7 @@ def _launch_select_csc(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, cou
     key_none = torch.iinfo(torch.int32).max
     DP = max(16, _pow2(D))
     means, LO = _walk_means(pyramid, q, walk_means)
-    off = torch.tensor(pyramid.offsets, dtype=torch.int32, device=q.device)
+    off = _device_offsets(tuple(pyramid.offsets), q.device)
 
     keys = torch.empty(B, Tq, HKV, S, dtype=torch.int32, device=q.device)
     _pyramid_walk_kernel[(Tq, HKV, B)](
