@@ -240,8 +240,12 @@ def markdown(res: Results, png: str | None) -> str:
               "Every cell where a PISA arm's mean is worse than flat_mean / flat_lse at the same "
               "K (same schedule where trained) or than dense:", ""]
     parts += (losses or ["- nowhere"]) + [""]
-    parts += ["## Learning rate (dense only)", "", sweep_table(res.meta), "",
-              "## Runs", "", runs_table(res.meta), ""]
+    sweeps = res.meta.get("lr_sweep", [])
+    parts += ["## Learning rate (dense only)", "", sweep_table(res.meta), ""]
+    if len({s["lr"] for s in sweeps}) < 2:
+        parts += ["No sweep runs in this launch: its learning rate comes from an earlier "
+                  "launch's sweep (`docs/quality.md`).", ""]
+    parts += ["## Runs", "", runs_table(res.meta), ""]
     return "\n".join(parts)
 
 

@@ -1,6 +1,7 @@
 """CPU smoke test of benchmarks/quality_train.py: every arm trains a few steps and evaluates
 (pisa through the torch backend), and the launcher merges its runs into the result schema."""
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -245,3 +246,40 @@ def test_every_arm_trains_on_gpu_at_the_suite_shapes(arm, schedule, tmp_path):
         assert set(r) == ROW_KEYS and math.isfinite(r["value"])
     assert {r["test_T"] for r in rec["rows"]} == {4096, 16384}
     check_beam_rows(rec, {32, 64}, {4096, 16384})
+
+
+def test_tables_pool_launches_and_show_wider_walks(tmp_path):
+    """Two launches (different arms) render as one page; beam rows get their own tables."""
+    def launch(arms, date):
+        rows, beam_rows = [], []
+        for arm, seed, T in itertools.product(arms, (0, 1), (512, 1024)):
+            base = {"arm": arm, "K": None if arm == "dense" else 4, "seed": seed,
+                    "train_T": 512, "test_T": T, "steps": 10, "schedule": "sparse"}
+            rows += [{"task": t, **base, "metric": "accuracy", "value": 0.5} for t in TASK_ROWS]
+            rows.append({"task": "lm", **base, "metric": "loss", "value": 2.0})
+            if arm == "pisa":
+                beam_rows += [{"task": t, **base, "W": 8, "metric": "accuracy",
+                               "value": 0.75} for t in TASK_ROWS]
+        meta = {"device": "cpu", "torch": "x", "triton": "y", "date": date,
+                "command": f"launch {date}", "config": {"train_T": 512},
+                "runs": [{"name": a, "lr": 1e-3} for a in arms],
+                "lr_sweep": [{"lr": 1e-3, "steps": 10, "lm_loss": 2.0,
+                              "mean_task_accuracy": 0.5}]}
+        return {"meta": meta, "rows": rows, "beam_rows": beam_rows}
+
+    paths = []
+    for i, arms in enumerate((["dense", "pisa"], ["flat_mean"])):
+        paths.append(tmp_path / f"l{i}.json")
+        paths[-1].write_text(json.dumps(launch(arms, f"d{i}")))
+    md = tmp_path / "q.md"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "quality_tables.py"),
+                    *map(str, paths), "--md", str(md), "--png", ""],
+                   check=True, capture_output=True, timeout=120)
+    text = md.read_text()
+    assert "Launches pooled on this page: `launch d0` (d0); `launch d1` (d1)" in text
+    assert "## PISA with wider walks (same weights)" in text
+    assert "| pisa K=4 W=8 | 0.750 ± 0.000 (n=2) | 0.750 ± 0.000 (n=2) |" in text
+    assert "| flat_mean K=4 | 0.500 ± 0.000 (n=2) | 0.500 ± 0.000 (n=2) |" in text
+    assert "pisa K=4 W=8 ≥ flat_mean K=4 on every retrieval task beyond the training length: " \
+           "PASS" in text
+    assert "No sweep runs in this launch" in text
