@@ -19,15 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from .api import pisa_attn, pisa_attn_with_kvcache, pisa_select
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 from .cache import PisaCache
 from .eval.metrics import SelectionScorer
 from .eval.synthetic import structured_qkv
 
 SELECTORS = ("pyramid", "flat_mean", "flat_lse")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
