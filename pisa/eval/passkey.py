@@ -194,23 +194,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from .corpus import corpus, token_samples
-    from .model import start_eval, write_result
+    from .model import SMOLLM2_ROW, start_eval, write_result
 
     cfg = PasskeyConfig(lengths=args.lengths, depths=args.depths, samples=args.samples,
                         arms=args.arms, topk=args.topk, block_size=args.block_size,
                         beam=args.beam, backend=args.backend)
     model, tokenizer, info = start_eval("passkey", args.device, argv)
-    name = "SmolLM2-135M-Instruct"
     info.update(filler=FILLER, needle=NEEDLE, question=QUESTION)
     rows = []
     for T in cfg.lengths:
-        rows += passkey_rows(model, tokenizer, replace(cfg, lengths=[T]), name)
+        rows += passkey_rows(model, tokenizer, replace(cfg, lengths=[T]), SMOLLM2_ROW)
         write_result(args.json, info, rows)
     if not args.no_lm:
         info["corpus"] = corpus()[0]
         for T in cfg.lengths:
             docs = {T: token_samples(tokenizer, T, cfg.samples, skip=HELD_OUT_SKIP)}
-            rows += lm_rows(model, docs, cfg, name)
+            rows += lm_rows(model, docs, cfg, SMOLLM2_ROW)
             write_result(args.json, info, rows)
     print(format_table(rows))
     if args.json:

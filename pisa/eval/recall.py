@@ -224,7 +224,7 @@ DEFAULT_LAYERS = [0, 6, 12, 18, 24, 29]
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from .corpus import corpus, token_samples
-    from .model import start_eval, write_result
+    from .model import SMOLLM2_ROW, start_eval, write_result
 
     layers = DEFAULT_LAYERS if args.layers is None else (None if args.layers == [-1]
                                                          else args.layers)
@@ -239,7 +239,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     rows = []
     for T in cfg.lengths:
         docs = {T: token_samples(tokenizer, T, cfg.samples)}
-        rows += recall_rows(model, docs, cfg, "SmolLM2-135M-Instruct")
+        rows += recall_rows(model, docs, cfg, SMOLLM2_ROW)
         info["summary"] = summarize(rows, cfg.target)
         write_result(args.json, info, rows)
     print(format_table(rows))
