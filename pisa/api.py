@@ -2,22 +2,21 @@
 ``pisa_attn_with_kvcache`` (decode and chunked prefill against a ``PisaCache``)."""
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from .cache import PisaCache
 from .ops.attn import sparse_attn
-from .ops.decode import decode_torch, prefill_with_cache
-from .ops.kvcache import append_kv, check_cache
+from .ops.decode import decode_step, prefill_with_cache
+from .ops.decode.kvcache import check_cache, check_new_kv, write_kv
 from .ops.select import select
-from .ops.utils import BACKENDS, check_block_idx, check_qk, resolve_config
+from .ops.utils.config import (SelectConfig, check_block_idx, check_qk, resolve_backend,
+                               resolve_config)
 
-# resolved once at import: torch.compile cannot trace importlib inside pisa_attn
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_C, _K, _G = SelectConfig.block_size, SelectConfig.topk, SelectConfig.branching
 
 _SELECT_DOC = """
-    block_size: int. Keys per leaf block ``C`` (power of two in [4, 256]; Triton needs >= 16).
+    block_size: int. Keys per leaf block ``C``, a power of two in
+        ``pisa.ops.utils.config.BLOCK_SIZES[backend]`` ([4, 256] in torch, [16, 128] in Triton).
         Default 64.
     topk: int. Blocks attended per query ``K`` (the budget). Default 16. With
         ``forced_in_budget=True`` it includes the forced blocks (sink, previous, current) and must
@@ -31,7 +30,7 @@ _SELECT_DOC = """
     selector: "pyramid" (default) | "flat_lse" | "flat_mean" | "auto". ``flat_lse`` scores every
         causal block by its exact LSE (the mass-optimal oracle, O(N^2)); ``flat_mean`` by the
         logit of its mean key (BSA/MoBA style); ``auto`` takes ``flat_lse`` below
-        ``pisa.ops.utils.AUTO_CROSSOVER_T`` keys and the pyramid above.
+        ``pisa.ops.utils.config.AUTO_CROSSOVER_T`` keys and the pyramid above.
     forced_in_budget: bool. Count the forced blocks inside ``topk`` (default) or add them on top
         (then ``block_idx`` has ``topk + 3`` slots).
     scale: float or None. Softmax scale; default ``D ** -0.5``.
@@ -40,16 +39,8 @@ _SELECT_DOC = """
 """
 
 
-def _resolve_backend(backend: str, q: torch.Tensor) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if q.is_cuda and _HAS_TRITON else "torch"
-    return backend
-
-
-def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 64, topk: int = 16,
-                branching: int = 2, beam: int | None = None, scorer: str = "lse",
+def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk: int = _K,
+                branching: int = _G, beam: int | None = None, scorer: str = "lse",
                 selector: str = "pyramid", forced_in_budget: bool = True,
                 scale: float | None = None, backend: str = "auto"):
     """Select, per query token and KV head, the key blocks it attends (no gradient).
@@ -65,17 +56,19 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 64, topk:
         counts: (batch, seqlen_q, nheads_k) int32, the number of valid entries per row.
     """
     check_qk(q, k)
-    cfg = resolve_config(q, k, block_size=block_size, topk=topk, branching=branching, beam=beam,
-                         scorer=scorer, selector=selector, forced_in_budget=forced_in_budget,
-                         scale=scale)
-    return select(q, k, cfg, _resolve_backend(backend, q))
+    backend = resolve_backend(backend, q)
+    cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
+                         beam=beam, scorer=scorer, selector=selector,
+                         forced_in_budget=forced_in_budget, scale=scale)
+    return select(q, k, cfg, backend)
 
 
-def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = 64,
-              topk: int = 16, branching: int = 2, beam: int | None = None, scorer: str = "lse",
+def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = _C,
+              topk: int = _K, branching: int = _G, beam: int | None = None, scorer: str = "lse",
               selector: str = "pyramid", forced_in_budget: bool = True,
               scale: float | None = None, return_lse: bool = False,
-              block_idx: torch.Tensor | None = None, backend: str = "auto"):
+              block_idx: torch.Tensor | None = None, deterministic: bool = False,
+              backend: str = "auto"):
     """PISA attention: pyramid block selection, then exact causal attention over those blocks.
 
     Arguments:
@@ -87,6 +80,9 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         attention results. Default False.
     block_idx: optional (batch, seqlen_q, nheads_k, S) int32 precomputed selection (ascending,
         -1 padded); skips the selection step.
+    deterministic: bool. Make the backward bitwise reproducible (the Triton dK/dV pass then
+        sums a block's split query chunks in a fixed order instead of with atomics; slightly
+        slower). The torch backend always is. Default False.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype. Differentiable in q, k, v; the
@@ -94,24 +90,21 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         lse (only if return_lse): (batch, nheads, seqlen_q) fp32, natural log.
     """
     check_qk(q, k, v)
-    cfg = resolve_config(q, k, block_size=block_size, topk=topk, branching=branching, beam=beam,
-                         scorer=scorer, selector=selector, forced_in_budget=forced_in_budget,
-                         scale=scale)
-    backend = _resolve_backend(backend, q)
+    backend = resolve_backend(backend, q)
+    cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
+                         beam=beam, scorer=scorer, selector=selector,
+                         forced_in_budget=forced_in_budget, scale=scale)
     if block_idx is None:
-        block_idx, _ = pisa_select(q.detach(), k.detach(), block_size=block_size, topk=topk,
-                                   branching=branching, beam=beam, scorer=scorer,
-                                   selector=selector, forced_in_budget=forced_in_budget,
-                                   scale=cfg.scale, backend=backend)
+        block_idx, _ = select(q.detach(), k.detach(), cfg, backend)
     else:
         check_block_idx(block_idx, q, k)
-    o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend)
+    o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend, deterministic)
     return (o, lse) if return_lse else o
 
 
 def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tensor | None = None,
                            v_new: torch.Tensor | None = None, *,
-                           cache_seqlens: torch.Tensor | int | None = None, topk: int = 16,
+                           cache_seqlens: torch.Tensor | int | None = None, topk: int = _K,
                            beam: int | None = None, scorer: str = "lse",
                            selector: str = "pyramid", forced_in_budget: bool = True,
                            scale: float | None = None, return_lse: bool = False,
@@ -160,10 +153,10 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
                         f"{q.dtype} on {q.device}")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
-    cfg = resolve_config(q, cache.k_cache, block_size=cache.block_size, topk=topk,
+    backend = resolve_backend(backend, q)
+    cfg = resolve_config(q, cache.k_cache, backend, block_size=cache.block_size, topk=topk,
                          branching=cache.branching, beam=beam, scorer=scorer, selector=selector,
                          forced_in_budget=forced_in_budget, scale=scale)
-    backend = _resolve_backend(backend, q)
     own = cache_seqlens is None
     if own:
         lens = cache.cache_seqlens
@@ -171,22 +164,18 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
         lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
         lens = cache_seqlens
+    # the one validation of the step: the ops below take the checked tensors as they are
     check_cache(cache.k_cache, cache.v_cache, cache.sums, lens, cache.block_size, cache.branching)
     if k_new is not None:
+        check_new_kv(cache.k_cache, k_new, v_new)
+        write_kv(cache.k_cache, cache.v_cache, cache.sums, k_new, v_new, lens, cache.block_size,
+                 cache.branching)
         if own:
-            cache.append(k_new, v_new)
+            lens.add_(k_new.shape[1])
         else:
-            append_kv(cache.k_cache, cache.v_cache, cache.sums, k_new, v_new, lens,
-                      cache.block_size, cache.branching)
             lens = lens + k_new.shape[1]
     if q.shape[1] == 1 and backend in ("torch", "triton"):
-        # the fused kernel walks the pyramid with LSE scores; flat scans and the scorer
-        # ablations decode through the torch path
-        if backend == "triton" and cfg.selector == "pyramid" and cfg.scorer == "lse":
-            from .ops.decode_triton import decode_triton
-            o, lse = decode_triton(q, cache.k_cache, cache.v_cache, cache.sums, lens, cfg)
-        else:
-            o, lse = decode_torch(q, cache.k_cache, cache.v_cache, cache.sums, lens, cfg)
+        o, lse = decode_step(q, cache.k_cache, cache.v_cache, cache.sums, lens, cfg, backend)
     else:
         o, lse = prefill_with_cache(q, cache.k_cache, cache.v_cache, cache.sums, lens.tolist(),
                                     cfg, backend)

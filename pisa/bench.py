@@ -1,15 +1,10 @@
 """The main job, ``pisa bench``: selection and attention timings plus selection quality.
 
-Rows follow the result schema every benchmark of the project writes::
-
-    {"meta": {"device", "torch", "triton", "date", "command"},
-     "rows": [{"op", "impl", "backend", "B", "T", "HQ", "HKV", "D", "K", "C", "g", "W", "dtype",
-               "ms", "peak_gb", "recall", "mass"}]}
+Rows follow the project's result schema (``pisa.results``). The timer and the dense baselines here
+are the ones every benchmark script uses (``benchmarks/common.py``).
 """
 from __future__ import annotations
 
-import datetime
-import importlib.util
 import statistics
 import sys
 import time
@@ -22,12 +17,10 @@ from .api import pisa_attn, pisa_attn_with_kvcache, pisa_select
 from .cache import PisaCache
 from .eval.metrics import SelectionScorer
 from .eval.synthetic import structured_qkv
+from .ops.utils.config import SelectConfig
+from .results import meta, result_row
 
 SELECTORS = ("pyramid", "flat_mean", "flat_lse")
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -37,9 +30,9 @@ class BenchConfig:
     heads: int = 8
     kv_heads: int = 2
     head_dim: int = 64
-    topk: int = 16
-    block_size: int = 64
-    branching: int = 2
+    topk: int = SelectConfig.topk
+    block_size: int = SelectConfig.block_size
+    branching: int = SelectConfig.branching
     beam: int | None = None
     dtype: str = "float32"
     backend: str = "auto"
@@ -51,33 +44,6 @@ class BenchConfig:
     decode: bool = False
     reps: int = 3
     log: object = field(default=sys.stderr, repr=False)
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    import platform
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def meta(device: str, command: str) -> dict:
-    triton_version = None
-    if importlib.util.find_spec("triton") is not None:
-        import triton
-        triton_version = triton.__version__
-    return {"device": device_name(device), "torch": torch.__version__, "triton": triton_version,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": command}
-
-
-def result_row(op: str, impl: str, backend: str, *, B: int, T: int, HQ: int, HKV: int, D: int,
-               K: int, C: int, g: int, W: int, dtype: str, ms: float | None,
-               peak_gb: float | None = None, recall: float | None = None,
-               mass: float | None = None, **extra) -> dict:
-    """One row of the result schema above; ``extra`` (a benchmark's own columns) follows."""
-    return {"op": op, "impl": impl, "backend": backend, "B": B, "T": T, "HQ": HQ, "HKV": HKV,
-            "D": D, "K": K, "C": C, "g": g, "W": W, "dtype": dtype, "ms": ms, "peak_gb": peak_gb,
-            "recall": recall, "mass": mass, **extra}
 
 
 def time_ms(fn, device: str, reps: int = 3) -> float:

@@ -1,6 +1,6 @@
 """``PisaCache``: one layer's KV cache with its incrementally maintained key pyramid.
 
-Contiguous form (``pisa.ops.kvcache`` describes the layout): ``k_cache, v_cache [B, T_max, HKV, D]``
+Contiguous form (``pisa.ops.decode.kvcache`` describes the layout): ``k_cache, v_cache [B, T_max, HKV, D]``
 preallocated, ``sums [B, N_total, HKV, D]`` the pyramid's key sums, ``cache_seqlens [B]`` int32.
 The paged form servers use is described in ``docs/design.md`` ("Inference cache").
 """
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .ops.kvcache import append_kv, check_cache, pyramid_from_sums
-from .ops.pyramid import Pyramid, level_offsets
-from .ops.utils import check_geometry, compute_dtype
+from .ops.decode.kvcache import check_cache, check_new_kv, pyramid_from_sums, write_kv
+from .ops.pyramid import Pyramid
+from .ops.utils.config import SelectConfig, check_geometry
+from .ops.utils.geometry import compute_dtype, level_offsets
 
 
 class PisaCache:
@@ -39,7 +40,8 @@ class PisaCache:
     """
 
     def __init__(self, batch_size: int, max_seqlen: int, num_kv_heads: int, head_dim: int, *,
-                 block_size: int = 64, branching: int = 2, dtype: torch.dtype | None = None,
+                 block_size: int = SelectConfig.block_size,
+                 branching: int = SelectConfig.branching, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         for name, x in (("batch_size", batch_size), ("max_seqlen", max_seqlen),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -60,8 +62,9 @@ class PisaCache:
 
     @classmethod
     def from_prefill(cls, k: torch.Tensor, v: torch.Tensor, *, max_seqlen: int | None = None,
-                     seqlens: torch.Tensor | list[int] | None = None, block_size: int = 64,
-                     branching: int = 2) -> "PisaCache":
+                     seqlens: torch.Tensor | list[int] | None = None,
+                     block_size: int = SelectConfig.block_size,
+                     branching: int = SelectConfig.branching) -> "PisaCache":
         """A cache holding the keys and values ``k, v [B, T, HKV, D]`` of a prefill.
 
         ``max_seqlen`` (default ``T``) is the capacity; ``seqlens`` (``[B]`` ints, default all
@@ -120,9 +123,11 @@ class PisaCache:
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Append ``k_new, v_new [B, L, HKV, D]`` to every sequence and advance
-        ``cache_seqlens`` by ``L``, in place (O(L log N); no host sync on CUDA)."""
-        append_kv(self.k_cache, self.v_cache, self.sums, k_new, v_new, self.cache_seqlens,
-                  self.block_size, self.branching)
+        ``cache_seqlens`` by ``L``, in place (O(L log N); no host sync on CUDA). The cache's own
+        tensors are trusted (``check`` validates them after they were swapped by hand)."""
+        check_new_kv(self.k_cache, k_new, v_new)
+        write_kv(self.k_cache, self.v_cache, self.sums, k_new, v_new, self.cache_seqlens,
+                 self.block_size, self.branching)
         self.cache_seqlens.add_(k_new.shape[1])
 
     def reset(self, index: torch.Tensor | list[int] | int | None = None) -> None:

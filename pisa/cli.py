@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 
-from .bench import BenchConfig, default_device, format_table, run_bench
+from .bench import BenchConfig, format_table, run_bench
+from .results import default_device, write_result
 
 CPU_DEFAULTS = dict(lengths=[1024, 2048, 4096], heads=8, kv_heads=2, head_dim=64,
                     dtype="float32", quality_max=4096, backward=False)
@@ -63,8 +63,7 @@ def bench_main(args: argparse.Namespace, argv: list[str]) -> int:
           f"C={cfg.block_size} g={cfg.branching} W={cfg.beam or cfg.topk} {cfg.dtype}")
     print(format_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.json, result["meta"], result["rows"])
         print(f"wrote {args.json}")
     return 0
 

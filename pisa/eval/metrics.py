@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..api import pisa_attn, pisa_select
-from ..ops.select import CHUNK_ELEMS
+from ..ops.utils.config import CHUNK_ELEMS
 
 
 def _forced_mask(block_idx: torch.Tensor, n_keys: int, block_size: int) -> torch.Tensor:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import shlex
 import sys
 
 import torch
 
-from ..bench import default_device, meta
+from ..results import default_device, meta
 from ..integrations import hf
 from .gpt import ARMS
 
@@ -67,14 +66,6 @@ def start_eval(tag: str, device: str | None, argv: list[str]):
     info = meta(device, "pisa " + shlex.join(argv))
     info["model"] = SMOLLM2_NAME
     return model, tokenizer, info
-
-
-def write_result(path: str | None, info: dict, rows: list[dict]) -> None:
-    """``{"meta": info, "rows": rows}`` to ``path`` (nothing without one); the commands call it
-    after each length, so a long run keeps what it finished."""
-    if path:
-        with open(path, "w") as f:
-            json.dump({"meta": info, "rows": rows}, f, indent=1)
 
 
 def tiny_llama(vocab_size: int = 128, num_layers: int = 2, hidden_size: int = 64,

@@ -194,7 +194,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from .corpus import corpus, token_samples
-    from .model import SMOLLM2_ROW, start_eval, write_result
+    from ..results import write_result
+    from .model import SMOLLM2_ROW, start_eval
 
     cfg = PasskeyConfig(lengths=args.lengths, depths=args.depths, samples=args.samples,
                         arms=args.arms, topk=args.topk, block_size=args.block_size,

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.select import CHUNK_ELEMS
-from ..ops.utils import cdiv
+from ..ops.utils.config import CHUNK_ELEMS
+from ..ops.utils.geometry import cdiv
 from .metrics import SelectionScorer
 
 FIELDS = ("model", "layer", "T", "selector", "K", "W", "recall", "mass", "mass_ratio")
@@ -224,7 +224,8 @@ DEFAULT_LAYERS = [0, 6, 12, 18, 24, 29]
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from .corpus import corpus, token_samples
-    from .model import SMOLLM2_ROW, start_eval, write_result
+    from ..results import write_result
+    from .model import SMOLLM2_ROW, start_eval
 
     layers = DEFAULT_LAYERS if args.layers is None else (None if args.layers == [-1]
                                                          else args.layers)

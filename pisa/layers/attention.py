@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import pisa_attn
-from ..ops.utils import SelectConfig
+from ..ops.utils.config import SelectConfig
 
 ATTN_MODES = ("pisa", "dense")
 

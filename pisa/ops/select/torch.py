@@ -10,28 +10,15 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
 
-from .pyramid import Pyramid, build_pyramid_torch
-from .utils import MAX_FORCED, SelectConfig, cdiv, compute_dtype, group_pairs
-
-# Elements (fp32) one query chunk may hold in its largest temporary.
-CHUNK_ELEMS = 1 << 24
-PAIRS_PER_GROUP = 32
+from ..pyramid import Pyramid
+from ..pyramid.torch import build_pyramid_torch
+from ..utils.config import CHUNK_ELEMS, MAX_FORCED, PAIRS_PER_GROUP, SelectConfig
+from ..utils.csr import group_pairs
+from ..utils.geometry import cdiv, compute_dtype, forced_leaves_tensor
 
 
-def _forced(t_abs: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Forced leaves ``[..., 3]`` (sink, previous, current) of positions ``t_abs [...]``
-    (``[Tc]``, or ``[B, Tc]`` when each sequence has its own positions), duplicates -1."""
-    cur = t_abs // block_size
-    prev = (cur - 1).clamp_min(0)
-    sink = torch.zeros_like(cur)
-    prev = torch.where(prev == sink, -1, prev)
-    cur_u = torch.where((cur == sink) | (cur == prev), -1, cur)
-    return torch.stack([sink, prev, cur_u], dim=-1)
-
-
-def _is_in(x: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+def is_in(x: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
     """``x [B, Tc, H, A]`` elementwise membership in ``members [Tc, F]`` or ``[B, Tc, F]``
     (-1 never matches)."""
     hit = x[..., :, None] == members[..., None, None, :]
@@ -47,7 +34,7 @@ def _logsumexp(z: torch.Tensor) -> torch.Tensor:
     return z.sub_(m).exp_().sum(-1).log_().add_(m[..., 0])
 
 
-def _group_score(z: torch.Tensor, weight: torch.Tensor, scorer: str,
+def group_score(z: torch.Tensor, weight: torch.Tensor, scorer: str,
                  unit_weight: bool = False) -> torch.Tensor:
     """Reduce child logits ``z [..., G, R]`` with child counts ``weight [..., 1, R]`` (0 = absent)
     to the GQA group score ``[...]`` (sum over the G heads of the per-head score). Consumes ``z``.
@@ -94,17 +81,17 @@ def _exact_leaf_scores(qs, k_blocks, cand, scorer):
     z = torch.bmm(qbuf.view(pg.n_groups, PAIRS_PER_GROUP * G, D),
                   k_blocks[pg.block].transpose(1, 2))
     z = z.view(pg.n_groups, PAIRS_PER_GROUP, G, -1)
-    score = _group_score(z, torch.ones_like(z[..., :1, :]), scorer, unit_weight=True)
+    score = group_score(z, torch.ones_like(z[..., :1, :]), scorer, unit_weight=True)
     o = pg.order
     out[b[o], t[o], h[o], m[o]] = score[pg.group, pg.slot]
     return out
 
 
-def _finish(cand, score, forced, cfg: SelectConfig):
+def finish_selection(cand, score, forced, cfg: SelectConfig):
     """Merge forced leaves with the best free candidates; sort ascending; pad with -1.
 
     ``cand [B, Tc, H, M]`` (-1 = none), ``score`` the same shape (-inf = not rankable),
-    ``forced [Tc, 3]`` or ``[B, Tc, 3]`` (from ``_forced``).
+    ``forced [Tc, 3]`` or ``[B, Tc, 3]`` (``forced_leaves_tensor``).
     """
     B, Tc, H, M = cand.shape
     n_forced = (forced >= 0).sum(-1)  # [Tc]
@@ -128,11 +115,11 @@ def _finish(cand, score, forced, cfg: SelectConfig):
     return idx, counts.to(torch.int32)
 
 
-def _walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
+def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
     """Beam search from the root to level 2; returns candidate leaves ``[B, Tc, H, M]``.
 
     ``t_abs [Tc]`` or ``[B, Tc]`` (positions per sequence, as in decode), ``forced`` its forced
-    leaves (``_forced``)."""
+    leaves (``forced_leaves_tensor``)."""
     B, Tc, H, G, D = qs.shape
     g, C = cfg.branching, cfg.block_size
     dev = qs.device
@@ -144,7 +131,7 @@ def _walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
         n_child = child_counts.shape[0]
         valid = (active >= 0) & (active * span * C <= t_abs[..., None, None])
         forced_here = torch.where(forced >= 0, forced // span, -1)
-        is_forced = _is_in(active, forced_here) & valid
+        is_forced = is_in(active, forced_here) & valid
         rest = valid & ~is_forced
         if active.shape[-1] > cfg.beam:
             child = active[..., None] * g + kids  # [B, Tc, H, A, g]
@@ -152,7 +139,7 @@ def _walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
             cm = _gather_rows(child_means, child.flatten(-2)).view(*child.shape, D)
             z = torch.einsum("bthgd,bthard->bthagr", qs, cm)
             w = torch.where(child_ok, child_counts[child.clamp(0, n_child - 1)].to(qs.dtype), 0.0)
-            score = _group_score(z, w[..., None, :], cfg.scorer)
+            score = group_score(z, w[..., None, :], cfg.scorer)
             score = torch.where(rest, score, -math.inf)
             width = min(cfg.beam, score.shape[-1])
             best, pos = torch.topk(score, width, dim=-1)
@@ -205,31 +192,31 @@ def _select(q, k, cfg, pyramid):
     for s in range(0, Tq, chunk):
         e = min(Tq, s + chunk)
         t_abs = torch.arange(Tk - Tq + s, Tk - Tq + e, device=dev)
-        forced = _forced(t_abs, C)
+        forced = forced_leaves_tensor(t_abs, C)
         qs = q[:, s:e].to(ct).view(B, e - s, H, G, D) * cfg.scale
         if cfg.selector == "pyramid":
-            cand = _walk(qs, pyramid, t_abs, forced, cfg)
-            free = (cand >= 0) & (cand * C <= t_abs[None, :, None, None]) & ~_is_in(cand, forced)
+            cand = walk(qs, pyramid, t_abs, forced, cfg)
+            free = (cand >= 0) & (cand * C <= t_abs[None, :, None, None]) & ~is_in(cand, forced)
             cand = torch.where(free, cand, -1)
             if cfg.scorer == "mean":
-                score = _flat_mean_scores(qs, leaf_means, cand)
+                score = flat_mean_scores(qs, leaf_means, cand)
             else:
                 score = _exact_leaf_scores(qs, k_blocks, cand, cfg.scorer)
         else:
             n_end = int(t_abs[-1]) // C + 1
             cand = torch.arange(n_end, device=dev).expand(B, e - s, H, n_end)
-            free = (cand * C <= t_abs[None, :, None, None]) & ~_is_in(cand, forced)
+            free = (cand * C <= t_abs[None, :, None, None]) & ~is_in(cand, forced)
             if cfg.selector == "flat_lse":
                 score = _flat_lse_scores(qs, k, n_end * C, C)
             else:
                 score = torch.einsum("bthd,bnhd->bthn", qs.sum(3), leaf_means[:, :n_end])
             score = torch.where(free, score, -math.inf)
             cand = torch.where(free, cand, -1)
-        idx_out[:, s:e], cnt_out[:, s:e] = _finish(cand, score, forced, cfg)
+        idx_out[:, s:e], cnt_out[:, s:e] = finish_selection(cand, score, forced, cfg)
     return idx_out, cnt_out
 
 
-def _flat_mean_scores(qs, leaf_means, cand):
+def flat_mean_scores(qs, leaf_means, cand):
     """``sum_h scale q_h . mean_leaf`` for candidate leaves (-inf where ``cand < 0``)."""
     rows = _gather_rows(leaf_means, cand)  # [B, Tc, H, M, D]
     score = torch.einsum("bthd,bthmd->bthm", qs.sum(3), rows)
@@ -246,35 +233,3 @@ def _flat_lse_scores(qs, k, n_keys, block_size):
         z = torch.nn.functional.pad(z, (0, n_keys - z.shape[-1]), value=-math.inf)
     z = z.view(B, Tc, H, G, n_keys // block_size, block_size)
     return _logsumexp(z).sum(3)
-
-
-@torch.library.custom_op("pisa::select", mutates_args=())
-def _select_op(q: Tensor, k: Tensor, block_size: int, topk: int, branching: int, beam: int,
-               scorer: str, selector: str, forced_in_budget: bool, scale: float,
-               backend: str) -> tuple[Tensor, Tensor]:
-    cfg = SelectConfig(block_size, topk, branching, beam, scorer, selector, forced_in_budget,
-                       scale)
-    if backend == "triton":
-        from .select_triton import select_triton
-        return select_triton(q, k, cfg)
-    if backend == "naive":
-        from .naive import naive_select
-        idx, counts = naive_select(q.cpu(), k.cpu(), cfg)
-        return idx.to(q.device), counts.to(q.device)
-    return select_torch(q, k, cfg)
-
-
-@_select_op.register_fake
-def _(q, k, block_size, topk, branching, beam, scorer, selector, forced_in_budget, scale,
-      backend):
-    B, Tq, HKV = q.shape[0], q.shape[1], k.shape[2]
-    slots = topk if forced_in_budget else topk + MAX_FORCED
-    return (q.new_empty((B, Tq, HKV, slots), dtype=torch.int32),
-            q.new_empty((B, Tq, HKV), dtype=torch.int32))
-
-
-def select(q: Tensor, k: Tensor, cfg: SelectConfig, backend: str):
-    """Selection through the custom op ``torch.ops.pisa.select`` (opaque to torch.compile):
-    ``(block_idx, counts)``. ``backend`` is ``"torch"``, ``"triton"`` or ``"naive"``."""
-    return _select_op(q, k, cfg.block_size, cfg.topk, cfg.branching, cfg.beam, cfg.scorer,
-                      cfg.selector, cfg.forced_in_budget, cfg.scale, backend)

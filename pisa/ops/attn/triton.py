@@ -1,6 +1,6 @@
 """Triton block-sparse attention over per-token block selections: forward and backward.
 
-Semantics are those of ``pisa.ops.naive.naive_attn``: query ``t`` (absolute position
+Semantics are those of ``naive.naive_attn``: query ``t`` (absolute position
 ``Tk - Tq + t``) attends the keys ``j <= Tk - Tq + t`` of the blocks listed in
 ``block_idx[b, t, h]`` (ascending, ``-1`` padded), shared by the ``G`` query heads of KV head ``h``.
 
@@ -19,15 +19,14 @@ the selection (per key block, the ascending list of query tokens that chose it) 
 sort of the ``B * Tq * HKV * S`` selection entries, O(N * S) memory, never a dense token x block
 mask. Lists are cut into chunks of at most ``dkv_chunk`` tokens so the sink block, which every query
 chooses, does not make one program straggle; the chunks of one block are summed with fp32 atomics,
-or with ``deterministic=True`` through a scratch buffer reduced in a fixed order.
+or with ``deterministic=True`` through a scratch buffer reduced in a fixed order
+(``utils.csr.block_work_items`` cuts the lists).
 
-Set ``PISA_TRITON_POISON=1`` to allocate outputs filled with NaN (tests prove every element is
-written).
+``PISA_TRITON_POISON=1`` allocates outputs filled with NaN (``utils.op.empty``; tests prove every
+element is written).
 """
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +34,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .utils import cdiv
-
-_LOG2E = math.log2(math.e)
-# kernels work in base 2 (exp2 is the native instruction); lse is stored in natural log
-_LN2_K: tl.constexpr = tl.constexpr(math.log(2.0))
-_LOG2E_K: tl.constexpr = tl.constexpr(_LOG2E)
+from ..utils.csr import block_work_items
+from ..utils.geometry import cdiv, pow2
+from ..utils.op import (LOG2E, LOG2E_K, empty, load_rows, online_softmax_step, softmax_output,
+                        store_rows)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 # keys per K/V tile: larger blocks run as several tiles, so the dK/dV accumulators fit in registers
 _KEY_TILE = 64
@@ -51,19 +48,6 @@ _MAX_TILE_TOKENS = 64
 # ----------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _load_rows(p, o_row, m_row, D: tl.constexpr):
-    """[len(o_row), D]: rows of ``D`` contiguous elements at offsets ``o_row`` from ``p``."""
-    o_d = tl.arange(0, D)
-    return tl.load(p + o_row[:, None] + o_d[None, :], mask=m_row[:, None], other=0.0)
-
-
-@triton.jit
-def _store_rows(p, o_row, m_row, x, D: tl.constexpr):
-    o_d = tl.arange(0, D)
-    tl.store(p + o_row[:, None] + o_d[None, :], x.to(p.dtype.element_ty), mask=m_row[:, None])
-
-
 @triton.jit
 def _group_rows(i_t, T_Q, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
     """Token, head within the group, and validity of the ``BT * GP`` rows of token tile ``i_t``."""
@@ -83,8 +67,8 @@ def _union_block(p_union, p_bits, o_bit, t_abs, p_k, p_v, s_kt, s_vt, T_K,
     hit = ((tl.load(p_bits) >> o_bit) & 1) != 0
     m_s = hit[:, None] & (o_key[None, :] <= t_abs[:, None])
     m_key = o_key < T_K
-    b_k = _load_rows(p_k, o_key.to(tl.int64) * s_kt, m_key, D)
-    return b_k, _load_rows(p_v, o_key.to(tl.int64) * s_vt, m_key, D), m_s
+    b_k = load_rows(p_k, o_key.to(tl.int64) * s_kt, m_key, D)
+    return b_k, load_rows(p_v, o_key.to(tl.int64) * s_vt, m_key, D), m_s
 
 
 @triton.jit
@@ -96,7 +80,7 @@ def _tile_setup(q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV
     i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
     o_tok, o_hh, m_row = _group_rows(i_t, T_Q, BT, G, GP)
     o_head = i_h * G + o_hh
-    b_q = _load_rows(q + i_b * s_qb, o_tok.to(tl.int64) * s_qt + o_head * s_qh, m_row, D)
+    b_q = load_rows(q + i_b * s_qb, o_tok.to(tl.int64) * s_qt + o_head * s_qh, m_row, D)
     i_list = i_bh * N_TILES + i_t
     return (i_b, o_tok, o_head, m_row, b_q, k + i_b * s_kb + i_h * s_kh, v + i_b * s_vb + i_h * s_vh,
             T_K - T_Q + o_tok, i_list, i_list.to(tl.int64) * U)
@@ -120,20 +104,11 @@ def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
         b_k, b_v, m_s = _union_block(p_union + i, p_bits + i, o_bit, t_abs, p_k, p_v,
                                      s_kt, s_vt, T_K, C, D)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale_log2
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        # rows that have seen no key yet keep -inf; shift them by 0 so exp2 gives 0, not nan
-        b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.exp2(b_s - b_shift[:, None])
-        b_alpha = tl.exp2(b_m - b_shift)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
-        b_m = b_m_new
+        b_m, b_l, b_acc = online_softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, b_m, b_l,
+                                              b_acc, DOT_PREC)
 
-    b_l_safe = tl.where(b_l > 0, b_l, 1.0)
-    _store_rows(o + i_b * s_ob, o_tok.to(tl.int64) * s_ot + o_head * s_oh, m_row,
-                b_acc / b_l_safe[:, None], D)
-    b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l_safe)) * _LN2_K, float("-inf"))
+    b_o, b_lse = softmax_output(b_m, b_l, b_acc)
+    store_rows(o + i_b * s_ob, o_tok.to(tl.int64) * s_ot + o_head * s_oh, m_row, b_o, D)
     tl.store(lse + (i_b * HKV * G + o_head) * T_Q + o_tok, b_lse, mask=m_row)
 
 
@@ -144,8 +119,8 @@ def _delta_kernel(o, do, delta, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh, T_Q,
     i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_tok, o_head, m_row = _group_rows(i_t, T_Q, BT, H, HP)
     o_tok64 = o_tok.to(tl.int64)
-    b_o = _load_rows(o + i_b * s_ob, o_tok64 * s_ot + o_head * s_oh, m_row, D).to(tl.float32)
-    b_do = _load_rows(do + i_b * s_gb, o_tok64 * s_gt + o_head * s_gh, m_row, D).to(tl.float32)
+    b_o = load_rows(o + i_b * s_ob, o_tok64 * s_ot + o_head * s_oh, m_row, D).to(tl.float32)
+    b_do = load_rows(do + i_b * s_gb, o_tok64 * s_gt + o_head * s_gh, m_row, D).to(tl.float32)
     tl.store(delta + (i_b * H + o_head) * T_Q + o_tok, tl.sum(b_o * b_do, 1), mask=m_row)
 
 
@@ -158,9 +133,9 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
                C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
     i_b, o_tok, o_head, m_row, b_q, p_k, p_v, t_abs, i_list, o_list = _tile_setup(
         q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U, G, GP, BT, D)
-    b_do = _load_rows(do + i_b * s_gb, o_tok.to(tl.int64) * s_gt + o_head * s_gh, m_row, D)
+    b_do = load_rows(do + i_b * s_gb, o_tok.to(tl.int64) * s_gt + o_head * s_gh, m_row, D)
     o_stat = (i_b * HKV * G + o_head) * T_Q + o_tok
-    b_lse2 = tl.load(lse + o_stat, mask=m_row, other=0.0) * _LOG2E_K
+    b_lse2 = tl.load(lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
     b_delta = tl.load(delta + o_stat, mask=m_row, other=0.0)
     o_bit = tl.arange(0, BT * GP) // GP
     p_union, p_bits = union + o_list, bits + o_list
@@ -176,7 +151,7 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PREC)
     o_dq = o_tok.to(tl.int64) * s_dt + o_head * s_dh
-    _store_rows(dq + i_b * s_db, o_dq, m_row, b_dq * scale, D)
+    store_rows(dq + i_b * s_db, o_dq, m_row, b_dq * scale, D)
 
 
 @triton.jit
@@ -194,8 +169,8 @@ def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_tok, items,
     i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
     o_key = i_c * C + tl.arange(0, C)
     m_key = o_key < T_K
-    b_k = _load_rows(k + i_b * s_kb + i_h * s_kh, o_key.to(tl.int64) * s_kt, m_key, D)
-    b_v = _load_rows(v + i_b * s_vb + i_h * s_vh, o_key.to(tl.int64) * s_vt, m_key, D)
+    b_k = load_rows(k + i_b * s_kb + i_h * s_kh, o_key.to(tl.int64) * s_kt, m_key, D)
+    b_v = load_rows(v + i_b * s_vb + i_h * s_vh, o_key.to(tl.int64) * s_vt, m_key, D)
     o_m = tl.arange(0, BQ * GP)
     o_head = i_h * G + o_m % GP
 
@@ -206,10 +181,10 @@ def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_tok, items,
         m_row = (o_pos < end) & (o_m % GP < G)
         o_tok = tl.load(csc_tok + o_pos, mask=m_row, other=0)
         o_tok64 = o_tok.to(tl.int64)
-        b_q = _load_rows(q + i_b * s_qb, o_tok64 * s_qt + o_head * s_qh, m_row, D)
-        b_do = _load_rows(do + i_b * s_gb, o_tok64 * s_gt + o_head * s_gh, m_row, D)
+        b_q = load_rows(q + i_b * s_qb, o_tok64 * s_qt + o_head * s_qh, m_row, D)
+        b_do = load_rows(do + i_b * s_gb, o_tok64 * s_gt + o_head * s_gh, m_row, D)
         o_stat = (i_b * HKV * G + o_head) * T_Q + o_tok
-        b_lse2 = tl.load(lse + o_stat, mask=m_row, other=0.0) * _LOG2E_K
+        b_lse2 = tl.load(lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
         b_delta = tl.load(delta + o_stat, mask=m_row, other=0.0)
         # transposed scores [C, rows]: the block's keys are the long side of every product
         b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale_log2
@@ -223,16 +198,16 @@ def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_tok, items,
 
     o_out = (i_b * T_K + o_key) * HKV * D + i_h * D  # dk, dv: contiguous fp32 [B, T_K, HKV, D]
     if slot < 0:  # the block's only chunk owns its rows
-        _store_rows(dk, o_out, m_key, b_dk, D)
-        _store_rows(dv, o_out, m_key, b_dv, D)
+        store_rows(dk, o_out, m_key, b_dk, D)
+        store_rows(dv, o_out, m_key, b_dv, D)
     elif ATOMIC:
         o_d = tl.arange(0, D)
         tl.atomic_add(dk + o_out[:, None] + o_d[None, :], b_dk, mask=m_key[:, None], sem="relaxed")
         tl.atomic_add(dv + o_out[:, None] + o_d[None, :], b_dv, mask=m_key[:, None], sem="relaxed")
     else:
         o_part = slot.to(tl.int64) * C * D + tl.arange(0, C) * D
-        _store_rows(part_k, o_part, m_key, b_dk, D)
-        _store_rows(part_v, o_part, m_key, b_dv, D)
+        store_rows(part_k, o_part, m_key, b_dk, D)
+        store_rows(part_v, o_part, m_key, b_dv, D)
 
 
 @triton.jit
@@ -251,11 +226,11 @@ def _reduce_parts_kernel(dk, dv, part_k, part_v, items, T_K, HKV, N_BLOCKS,
         b_dk = tl.zeros([C, D], tl.float32)
         b_dv = tl.zeros([C, D], tl.float32)
         for j in range(n_parts):
-            b_dk += _load_rows(part_k + j * C * D, o_part, m_key, D)
-            b_dv += _load_rows(part_v + j * C * D, o_part, m_key, D)
+            b_dk += load_rows(part_k + j * C * D, o_part, m_key, D)
+            b_dv += load_rows(part_v + j * C * D, o_part, m_key, D)
         o_out = (i_b * T_K + o_key) * HKV * D + i_h * D
-        _store_rows(dk, o_out, m_key, b_dk, D)
-        _store_rows(dv, o_out, m_key, b_dv, D)
+        store_rows(dk, o_out, m_key, b_dk, D)
+        store_rows(dv, o_out, m_key, b_dv, D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,18 +254,7 @@ class KernelConfig:
     dkv_chunk: int = 512  # most query tokens one dK/dV program handles; longer lists are split
 
 
-def _poisoned() -> bool:
-    return os.environ.get("PISA_TRITON_POISON", "") not in ("", "0")
-
-
-def _empty(*shape, dtype, device) -> torch.Tensor:
-    if _poisoned():
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+_CFG = KernelConfig()
 
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
@@ -303,8 +267,8 @@ def _tile_tokens(rows: int, gp: int) -> int:
     tl.dot needs, and at least 2 tokens: compiled single-token tiles gave wrong outputs (rel. err
     0.9 at G=16, bf16) and an illegal address at 64K tokens on the H200 with triton 3.6, under
     every warps/stages setting tried, while 2-token tiles were right and as fast
-    (``docs/triton_attention.md``)."""
-    return min(_pow2(max(rows // gp, cdiv(16, gp), 2)), _MAX_TILE_TOKENS)
+    (``docs/design.md``, "Triton attention tiles")."""
+    return min(pow2(max(rows // gp, cdiv(16, gp), 2)), _MAX_TILE_TOKENS)
 
 
 def _dot_precision(x: torch.Tensor) -> str:
@@ -312,12 +276,9 @@ def _dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _check_supported(head_dim: int, block_size: int, n_groups: int) -> None:
+def _check_supported(head_dim: int, n_groups: int) -> None:
     if head_dim not in _HEAD_DIMS:
         raise ValueError(f"triton sparse attention supports head dims {_HEAD_DIMS}, got {head_dim}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError("triton sparse attention needs block_size a power of two >= 16, "
-                         f"got {block_size}")
     if n_groups > 64:
         raise ValueError(f"triton sparse attention supports up to 64 query heads per KV head, "
                          f"got {n_groups}")
@@ -354,44 +315,10 @@ def _tile_union(block_idx: torch.Tensor, tokens: int):
     return union, bits, count
 
 
-def _transpose_selection(block_idx: torch.Tensor, n_blocks: int, chunk: int):
-    """The selection's transpose cut into dK/dV work items.
-
-    Returns ``tokens`` int32 (for every (batch, KV head, block) in turn, the ascending query tokens
-    that chose it), ``items [n_items, 5]`` int32 rows ``(key, start, end, slot, n_parts)`` with
-    ``key = (b * HKV + h) * n_blocks + block`` and ``tokens[start:end]`` its chunk, ``slot`` the
-    chunk's scratch row when the block is split (else -1) and ``n_parts`` the block's chunk count on
-    its first chunk (else 0), and the number of scratch rows.
-    """
-    B, Tq, H, S = block_idx.shape
-    n_keys = B * H * n_blocks
-    idx = block_idx.permute(0, 2, 1, 3).long()  # [B, H, Tq, S]: entries in token order
-    base = torch.arange(B * H, device=idx.device).view(B, H, 1, 1) * n_blocks
-    key = torch.where((idx >= 0) & (idx < n_blocks), base + idx, n_keys).flatten()
-    # stable: tokens stay ascending within a block's list
-    perm = torch.sort(key, stable=True).indices
-    tokens = ((perm // S) % Tq).to(torch.int32)
-    counts = torch.bincount(key, minlength=n_keys + 1)[:n_keys]
-    ends = counts.cumsum(0)
-    n_chunks = (counts + chunk - 1) // chunk
-    split = n_chunks > 1
-    n_items, n_parts = torch.stack([n_chunks.sum(), (n_chunks * split).sum()]).tolist()
-    item_key = torch.repeat_interleave(torch.arange(n_keys, device=idx.device), n_chunks,
-                                       output_size=n_items)
-    j = torch.arange(n_items, device=idx.device) - (n_chunks.cumsum(0) - n_chunks)[item_key]
-    start = ends[item_key] - counts[item_key] + j * chunk
-    end = torch.minimum(start + chunk, ends[item_key])
-    item_split = split[item_key]
-    slot = torch.where(item_split, item_split.cumsum(0) - 1, -1)
-    n_parts_first = torch.where(item_split & (j == 0), n_chunks[item_key], 0)
-    items = torch.stack([item_key, start, end, slot, n_parts_first], 1).to(torch.int32)
-    return tokens, items.contiguous(), n_parts
-
-
 def _groups(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
     """GQA group size and its power-of-two padding (the rows of one token in a tile)."""
     G = q.shape[2] // k.shape[2]
-    return G, _pow2(G)
+    return G, pow2(G)
 
 
 def _attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
@@ -400,13 +327,13 @@ def _attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
     G, GP = _groups(q, k)
     BT = _tile_tokens(cfg.fwd_rows, GP)
     union, bits, count = _tile_union(block_idx, BT)
-    o = _empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
-    lse = _empty(B, HQ, Tq, dtype=torch.float32, device=q.device)
+    o = empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
+    lse = empty(B, HQ, Tq, dtype=torch.float32, device=q.device)
     n_tiles = count.shape[1]
     # token tiles vary fastest: the programs resident together read one KV head's keys (L2 reuse)
     _fwd_kernel[(n_tiles, B * HKV)](
         q, k, v, o, lse, union, bits, count, *_strides(q, k, v, o),
-        Tq, Tk, HKV, n_tiles, union.shape[-1], scale * _LOG2E,
+        Tq, Tk, HKV, n_tiles, union.shape[-1], scale * LOG2E,
         G=G, GP=GP, BT=BT, C=block_size, D=D, DOT_PREC=_dot_precision(q),
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, lse
@@ -414,9 +341,9 @@ def _attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
 
 def _delta(o, do, dlse):
     B, Tq, HQ, D = o.shape
-    HP = _pow2(HQ)
+    HP = pow2(HQ)
     BT = max(1, 64 // HP)
-    delta = _empty(B, HQ, Tq, dtype=torch.float32, device=o.device)
+    delta = empty(B, HQ, Tq, dtype=torch.float32, device=o.device)
     _delta_kernel[(cdiv(Tq, BT), B)](o, do, delta, *_strides(o, do), Tq,
                                      H=HQ, HP=HP, BT=BT, D=D, num_warps=8)
     # d lse / d s = p, so an lse gradient only shifts delta
@@ -429,11 +356,11 @@ def _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg: KernelC
     G, GP = _groups(q, k)
     BT = _tile_tokens(cfg.dq_rows, GP)
     union, bits, count = _tile_union(block_idx, BT)
-    dq = _empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
+    dq = empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
     n_tiles = count.shape[1]
     _dq_kernel[(n_tiles, B * HKV)](
         q, k, v, do, lse, delta, dq, union, bits, count, *_strides(q, k, v, do, dq),
-        Tq, Tk, HKV, n_tiles, union.shape[-1], scale * _LOG2E, scale,
+        Tq, Tk, HKV, n_tiles, union.shape[-1], scale * LOG2E, scale,
         G=G, GP=GP, BT=BT, C=block_size, D=D, DOT_PREC=_dot_precision(q),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     return dq
@@ -445,17 +372,17 @@ def _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, determinist
     Tk, HKV = k.shape[1], k.shape[2]
     G, GP = _groups(q, k)
     n_blocks = cdiv(Tk, block_size)
-    tokens, items, n_parts = _transpose_selection(block_idx, n_blocks, cfg.dkv_chunk)
+    tokens, items, n_parts = block_work_items(block_idx, n_blocks, cfg.dkv_chunk)
     # blocks nobody chose get no program: their gradient is the zero they start from
     dk = torch.zeros(B, Tk, HKV, D, dtype=torch.float32, device=k.device)
     dv = torch.zeros_like(dk)
     reduce = deterministic and n_parts > 0
-    parts = [_empty(n_parts, block_size, D, dtype=torch.float32, device=k.device)
+    parts = [empty(n_parts, block_size, D, dtype=torch.float32, device=k.device)
              for _ in range(2)] if reduce else [dk, dv]  # unused unless reduce
     if items.shape[0]:
         _dkv_kernel[(items.shape[0],)](
             q, k, v, do, lse, delta, dk, dv, *parts, tokens, items, *_strides(q, k, v, do),
-            Tq, Tk, HKV, n_blocks, scale * _LOG2E, scale,
+            Tq, Tk, HKV, n_blocks, scale * LOG2E, scale,
             G=G, GP=GP, BQ=_tile_tokens(cfg.dkv_rows, GP), C=block_size, D=D,
             ATOMIC=not deterministic, DOT_PREC=_dot_precision(q),
             num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages)
@@ -466,47 +393,27 @@ def _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, determinist
 
 
 # ----------------------------------------------------------------------------------------------
-# entry points (autograd: the ``pisa::sparse_attn`` custom op in ``attn.py``)
+# entry points (autograd: the ``pisa::sparse_attn`` custom op in ``__init__``)
 # ----------------------------------------------------------------------------------------------
-def triton_attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
-    """Forward on prepared inputs (``prepare`` below): ``o``, ``lse``."""
-    return _attn_fwd(q, k, v, block_idx, block_size, scale, cfg)
+def _prepare(q: torch.Tensor, k: torch.Tensor, block_idx: torch.Tensor, block_size: int):
+    """Check kernel support and re-express the selection in kernel-sized blocks."""
+    _check_supported(q.shape[-1], q.shape[2] // k.shape[2])
+    return _split_blocks(block_idx, block_size)
 
 
-def triton_attn_bwd(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, deterministic,
-                    cfg: KernelConfig):
-    """Backward on prepared inputs: ``dq, dk, dv``."""
+def attn_fwd_triton(q, k, v, block_idx, block_size, scale):
+    """Forward: ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32 (natural log, ``-inf``
+    and ``o = 0`` for a query with no key)."""
+    block_idx, block_size = _prepare(q, k, block_idx, block_size)
+    return _attn_fwd(q, k, v, block_idx, block_size, scale, _CFG)
+
+
+def attn_bwd_triton(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, deterministic):
+    """Backward: ``dq, dk, dv``; ``deterministic=True`` sums split blocks in a fixed order."""
+    block_idx, block_size = _prepare(q, k, block_idx, block_size)
     do = torch.zeros_like(o) if do is None else do
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = _delta(o, do, dlse)
-    dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg)
-    dk, dv = _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, deterministic, cfg)
+    dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, _CFG)
+    dk, dv = _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, deterministic, _CFG)
     return dq, dk, dv
-
-
-def prepare(q: torch.Tensor, k: torch.Tensor, block_idx: torch.Tensor, block_size: int,
-            scale: float | None):
-    """Check support and re-express the selection in kernel-sized blocks:
-    ``(block_idx, block_size, scale)`` for ``triton_attn_fwd`` / ``triton_attn_bwd``."""
-    D, G = q.shape[-1], q.shape[2] // k.shape[2]
-    _check_supported(D, block_size, G)
-    scale = D ** -0.5 if scale is None else float(scale)
-    block_idx, block_size = _split_blocks(block_idx, block_size)
-    return block_idx, block_size, scale
-
-
-def sparse_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       block_idx: torch.Tensor, block_size: int, scale: float | None = None,
-                       deterministic: bool = False, config: KernelConfig | None = None):
-    """Block-sparse causal attention with per-token block selections (Triton).
-
-    ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, HKV, D]`` (last dim contiguous, other strides free;
-    fp16/bf16/fp32; D in 16..256, a power of two), ``block_idx [B, Tq, HKV, S]`` int32 ascending,
-    ``-1`` padded, ``block_size`` a power of two >= 16. Returns ``o [B, Tq, HQ, D]`` (q's dtype)
-    and ``lse [B, HQ, Tq]`` fp32 (natural log, ``-inf`` and ``o = 0`` for a query with no key),
-    both differentiable with respect to q, k, v. ``deterministic=True`` makes the backward bitwise
-    reproducible (no atomics); ``config`` holds the tile sizes and launch knobs.
-    """
-    from .attn import sparse_attn  # the custom op (and its autograd) lives with the dispatch
-    return sparse_attn(q, k, v, block_idx, block_size, q.shape[-1] ** -0.5 if scale is None else scale,
-                       "triton", deterministic, config)

@@ -1,6 +1,6 @@
 """The decode cache's storage ops: append keys/values and keep the key pyramid's sums current.
 
-Layout (contiguous form, per layer; shared with ``decode.py`` and ``decode_triton.py``):
+Layout (contiguous form, per layer; shared with ``decode.torch`` and ``decode.triton``):
 
 - ``k_cache, v_cache [B, T_max, HKV, D]`` (FlashAttention's ``flash_attn_with_kvcache`` layout).
 - ``sums [B, N_total, HKV, D]``: the pyramid's key SUMS in the layout of ``pisa.ops.pyramid``
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from .pyramid import Pyramid, level_offsets
-from .utils import check_geometry, compute_dtype, level_sizes
+from ..pyramid import Pyramid
+from ..utils.config import check_geometry
+from ..utils.geometry import compute_dtype, level_offsets, level_sizes
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
@@ -58,19 +59,8 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor
     return offsets
 
 
-def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
-              k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
-              block_size: int, branching: int) -> None:
-    """Write ``k_new, v_new [B, L, HKV, D]`` at positions ``[seqlens_b, seqlens_b + L)`` of each
-    sequence and add the new keys into their leaf's and every ancestor's sum, in place.
-
-    Does not advance ``cache_seqlens`` (the caller does). All indices are computed on the device
-    from ``cache_seqlens``: no host sync and no branching on tensor values, so a decode step that
-    appends can be captured in a CUDA graph. On CPU it also checks that no sequence overflows
-    ``T_max``; on CUDA that check would cost a host sync, so an overflowing write is left to the
-    index kernel's device-side bounds assert (as with FlashAttention's cache).
-    """
-    offsets = check_cache(k_cache, v_cache, sums, cache_seqlens, block_size, branching)
+def check_new_kv(k_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    """Validate keys and values to append to ``k_cache [B, T_max, HKV, D]`` (metadata only)."""
     B, T, H, D = k_cache.shape
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if not isinstance(x, torch.Tensor):
@@ -84,6 +74,32 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     if v_new.shape != k_new.shape:
         raise ValueError(f"v_new shape {tuple(v_new.shape)} differs from k_new shape "
                          f"{tuple(k_new.shape)}")
+
+
+def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
+              k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+              block_size: int, branching: int) -> None:
+    """``write_kv`` after checking the cache (``check_cache``) and the new rows."""
+    check_cache(k_cache, v_cache, sums, cache_seqlens, block_size, branching)
+    check_new_kv(k_cache, k_new, v_new)
+    write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
+             k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+             block_size: int, branching: int) -> None:
+    """Write ``k_new, v_new [B, L, HKV, D]`` at positions ``[seqlens_b, seqlens_b + L)`` of each
+    sequence and add the new keys into their leaf's and every ancestor's sum, in place (inputs
+    checked by the caller).
+
+    Does not advance ``cache_seqlens`` (the caller does). All indices are computed on the device
+    from ``cache_seqlens``: no host sync and no branching on tensor values, so a decode step that
+    appends can be captured in a CUDA graph. On CPU it also checks that no sequence overflows
+    ``T_max``; on CUDA that check would cost a host sync, so an overflowing write is left to the
+    index kernel's device-side bounds assert (as with FlashAttention's cache).
+    """
+    B, T, H, D = k_cache.shape
+    offsets = level_offsets(T, block_size, branching)
     L = k_new.shape[1]
     if L == 0:
         return

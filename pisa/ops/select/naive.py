@@ -1,4 +1,4 @@
-"""The readable oracle for every PISA op: fp64, Python loops, small N only.
+"""The selection oracle: fp64, Python loops, small N only.
 
 Every faster implementation is tested against this file, so it follows the spec
 (``PISA_SPEC.md`` §2–§5) line by line and favours clarity over speed.
@@ -18,35 +18,11 @@ Conventions shared with every backend
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .utils import SelectConfig, cdiv, forced_leaves, level_sizes
-
-
-def naive_pyramid(k: torch.Tensor, block_size: int, branching: int):
-    """Per-level ``(means [B, N_l, HKV, D] fp64, counts [N_l] int64)``, leaves first."""
-    B, T, H, D = k.shape
-    n_leaves = cdiv(T, block_size)
-    means = torch.zeros(B, n_leaves, H, D, dtype=torch.float64)
-    counts = torch.zeros(n_leaves, dtype=torch.int64)
-    for i in range(n_leaves):
-        keys = k[:, i * block_size:(i + 1) * block_size].double()
-        means[:, i] = keys.mean(dim=1)
-        counts[i] = keys.shape[1]
-    levels = [(means, counts)]
-    for n_nodes in level_sizes(n_leaves, branching)[1:]:
-        child_means, child_counts = levels[-1]
-        means = torch.zeros(B, n_nodes, H, D, dtype=torch.float64)
-        counts = torch.zeros(n_nodes, dtype=torch.int64)
-        for i in range(n_nodes):
-            kids = range(i * branching, min((i + 1) * branching, len(child_counts)))
-            total = sum(child_means[:, r] * child_counts[r] for r in kids)
-            counts[i] = sum(int(child_counts[r]) for r in kids)
-            means[:, i] = total / counts[i]
-        levels.append((means, counts))
-    return levels
+from ..pyramid.naive import naive_pyramid
+from ..utils.config import SelectConfig
+from ..utils.geometry import forced_leaves
 
 
 def naive_score(z: torch.Tensor, n: torch.Tensor, scorer: str) -> float:
@@ -128,46 +104,3 @@ def naive_select(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig):
                 block_idx[b, t, h, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
                 counts[b, t, h] = len(chosen)
     return block_idx, counts
-
-
-def naive_attn(q, k, v, block_idx: torch.Tensor, block_size: int, scale: float):
-    """Exact softmax attention restricted to the selected blocks (and causality), in fp64.
-
-    Differentiable (autograd through the masked dense form). Returns ``o [B, Tq, HQ, D]`` fp64 and
-    ``lse [B, HQ, Tq]`` fp64 (natural log; ``-inf`` and ``o = 0`` for a row with no key).
-    """
-    B, Tq, HKV, _ = block_idx.shape
-    Tk = k.shape[1]
-    allowed = torch.zeros(B, Tq, HKV, Tk, dtype=torch.bool)
-    for b in range(B):
-        for t in range(Tq):
-            for h in range(HKV):
-                for c in block_idx[b, t, h].tolist():
-                    if c >= 0:
-                        allowed[b, t, h, c * block_size:(c + 1) * block_size] = True
-    return _masked_attn(q, k, v, allowed, scale)
-
-
-def naive_dense_attn(q, k, v, scale: float):
-    """Dense causal attention (bottom-right aligned) in fp64: the all-blocks reference."""
-    B, Tq, _, _ = q.shape
-    _, Tk, HKV, _ = k.shape
-    return _masked_attn(q, k, v, torch.ones(B, Tq, HKV, Tk, dtype=torch.bool), scale)
-
-
-def _masked_attn(q, k, v, allowed: torch.Tensor, scale: float):
-    """Softmax attention over ``allowed [B, Tq, HKV, Tk]`` keys, intersected with causality."""
-    Tq, HQ = q.shape[1], q.shape[2]
-    Tk, HKV = k.shape[1], k.shape[2]
-    G = HQ // HKV
-    causal = torch.arange(Tk)[None, :] <= (Tk - Tq + torch.arange(Tq))[:, None]
-    allowed = allowed & causal[None, :, None, :]
-    allowed = allowed.repeat_interleave(G, dim=2).permute(0, 2, 1, 3)  # [B, HQ, Tq, Tk]
-    kk = k.double().repeat_interleave(G, dim=2)
-    vv = v.double().repeat_interleave(G, dim=2)
-    s = scale * torch.einsum("bthd,bshd->bhts", q.double(), kk)
-    s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None].clamp_min(-1e300))
-    o = torch.einsum("bhts,bshd->bthd", p, vv)
-    return o, lse

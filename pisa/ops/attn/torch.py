@@ -1,7 +1,7 @@
-"""Sparse attention over selected key blocks: the vectorised PyTorch backend and the dispatcher.
+"""Sparse attention over selected key blocks, vectorised PyTorch (CPU and CUDA).
 
 The torch backend regroups the (query, selected block) pairs of a chunk of queries by block
-(``utils.group_pairs``): each group of up to ``PAIRS_PER_GROUP`` queries reads its block's keys and
+(``utils.csr.group_pairs``): each group of up to ``PAIRS_PER_GROUP`` queries reads its block's keys and
 values once and computes a partial softmax (max, sum, unnormalised output) with batched matmuls; the
 partials of a query's blocks are then merged (as flash-decoding merges splits). The backward
 recomputes probabilities from the saved LSE (as FlashAttention does) in the same grouped layout, so
@@ -9,24 +9,20 @@ dK/dV accumulate per block. Memory is O(chunk · S · G · (C + D)); no ``[T, T]
 """
 from __future__ import annotations
 
-
 import math
-from dataclasses import astuple, dataclass
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
-from .select import CHUNK_ELEMS
-from .utils import BACKENDS, PairGroups, compute_dtype, group_pairs
-
-PAIRS_PER_GROUP = 32
+from ..utils.config import CHUNK_ELEMS, PAIRS_PER_GROUP
+from ..utils.csr import PairGroups, group_pairs
+from ..utils.geometry import cdiv, compute_dtype
 
 
 def _blocked(x: torch.Tensor, block_size: int, dtype) -> torch.Tensor:
     """``x [B, T, H, D]`` as ``[B*H*N, C, D]`` blocks (zero-padded tail) in the compute dtype."""
     B, T, H, D = x.shape
-    N = -(-T // block_size)
+    N = cdiv(T, block_size)
     x = torch.nn.functional.pad(x.to(dtype), (0, 0, 0, 0, 0, N * block_size - T))
     return x.view(B, N, block_size, H, D).permute(0, 3, 1, 2, 4).reshape(B * H * N, block_size, D)
 
@@ -87,10 +83,10 @@ def _chunks(q, k, block_idx):
     return [(s, min(Tq, s + step)) for s in range(0, Tq, step)]
 
 
-def _fwd_torch(q, k, v, block_idx, block_size, scale):
+def attn_fwd_torch(q, k, v, block_idx, block_size, scale):
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
-    G, N = HQ // H, -(-Tk // block_size)
+    G, N = HQ // H, cdiv(Tk, block_size)
     ct = compute_dtype(q)
     kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)
     o = torch.full_like(q, math.nan)
@@ -116,10 +112,10 @@ def _fwd_torch(q, k, v, block_idx, block_size, scale):
     return o, lse.transpose(1, 2).contiguous()
 
 
-def _bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale):
+def attn_bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale):
     B, Tq, HQ, D = q.shape
     Tk = k.shape[1]
-    N = -(-Tk // block_size)
+    N = cdiv(Tk, block_size)
     ct = compute_dtype(q)
     kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)
     dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
@@ -146,81 +142,3 @@ def _bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale):
                        torch.bmm(p.view(ng, -1, block_size).transpose(1, 2), dog.view(ng, -1, D)))
     return (dq.to(q.dtype), _unblocked(dkb, k.shape).to(k.dtype).contiguous(),
             _unblocked(dvb, v.shape).to(v.dtype).contiguous())
-
-
-# --- custom ops: opaque to torch.compile (data-dependent indexing, host syncs inside) ----------
-@torch.library.custom_op("pisa::sparse_attn", mutates_args=())
-def _attn_op(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: int, scale: float,
-             backend: str, deterministic: bool, config: list[int]) -> tuple[Tensor, Tensor]:
-    """``o`` (q's dtype) and ``lse [B, HQ, Tq]`` (fp64 for fp64 inputs, else fp32). ``config`` is
-    the Triton ``KernelConfig`` as a list of ints (empty: defaults)."""
-    if backend == "triton":
-        from .attn_triton import KernelConfig, prepare, triton_attn_fwd
-        idx, bs, scale = prepare(q, k, block_idx, block_size, scale)
-        return triton_attn_fwd(q, k, v, idx, bs, scale, KernelConfig(*config))
-    return _fwd_torch(q, k, v, block_idx, block_size, scale)
-
-
-@_attn_op.register_fake
-def _(q, k, v, block_idx, block_size, scale, backend, deterministic, config):
-    lse_dtype = torch.float64 if q.dtype == torch.float64 and backend == "torch" \
-        else torch.float32
-    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
-                                            dtype=lse_dtype)
-
-
-@torch.library.custom_op("pisa::sparse_attn_bwd", mutates_args=())
-def _attn_bwd_op(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
-                 lse: Tensor, block_idx: Tensor, block_size: int, scale: float,
-                 backend: str, deterministic: bool,
-                 config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-    if backend == "triton":
-        from .attn_triton import KernelConfig, prepare, triton_attn_bwd
-        idx, bs, scale = prepare(q, k, block_idx, block_size, scale)
-        return triton_attn_bwd(do, dlse, q, k, v, o, lse, idx, bs, scale, deterministic,
-                               KernelConfig(*config))
-    return _bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale)
-
-
-@_attn_bwd_op.register_fake
-def _(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, backend, deterministic, config):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _attn_setup(ctx, inputs, output):
-    q, k, v, block_idx = inputs[:4]
-    ctx.save_for_backward(q, k, v, output[0], output[1], block_idx)
-    ctx.args = inputs[4:]
-
-
-def _attn_backward(ctx, do, dlse):
-    q, k, v, o, lse, block_idx = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd_op(do.contiguous(), dlse, q, k, v, o, lse, block_idx, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_attn_op.register_autograd(_attn_backward, setup_context=_attn_setup)
-
-
-def sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor,
-                block_size: int, scale: float, backend: str = "torch",
-                deterministic: bool = False, config=None):
-    """Exact attention of each query over the keys of its selected blocks (causal).
-
-    ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, HKV, D]``, ``block_idx [B, Tq, HKV, S]`` int32 (ascending,
-    -1 padded). Returns ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32; both are
-    differentiable in q, k, v. ``backend`` is ``"torch"``, ``"triton"`` or ``"naive"`` (already
-    resolved from "auto"); the first two run as the custom op ``torch.ops.pisa.sparse_attn``.
-    Triton only: ``deterministic=True`` makes the backward bitwise reproducible (no atomics);
-    ``config`` (``pisa.ops.attn_triton.KernelConfig``) sets tile sizes and launch knobs.
-    """
-    if backend in ("torch", "triton"):
-        knobs = list(astuple(config)) if config is not None else []
-        o, lse = _attn_op(q, k, v, block_idx, block_size, scale, backend, bool(deterministic),
-                          knobs)
-        return o, lse.float()
-    if backend == "naive":
-        from .naive import naive_attn
-        o, lse = naive_attn(q, k, v, block_idx.cpu(), block_size, scale)
-        return o.to(q.dtype), lse.float()
-    raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {backend!r}")

@@ -1,12 +1,12 @@
-"""Geometry, configuration and input checks shared by every implementation of every op.
+"""The one home of every selection default and bound, and of the input checks.
 
-Everything here works on plain Python values or plain tensors so that the naive oracle, the
-vectorised ``torch`` backend and the Triton launchers agree on one definition of the pyramid, the
-forced blocks and the selection budget.
+``pisa.api`` resolves a ``SelectConfig`` once per call (``resolve_config``) and hands it down; the
+ops below take it resolved and never check or default a knob again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -20,11 +20,22 @@ MAX_FORCED = 3
 # pyramid takes 11.3 ms at 32K (benchmarks/results/select_variants_h200.json) against 34.2 ms for
 # flat_lse (levers_h200.json, an earlier run); 16K was not re-measured.
 AUTO_CROSSOVER_T = 32768
+# Leaf block sizes (powers of two) each backend supports, in every op it runs (selection,
+# attention, decode): the Triton decode kernel's tiles bound the Triton range.
+BLOCK_SIZES = {"torch": (4, 256), "naive": (4, 256), "triton": (16, 128)}
+# Elements (fp32) one query chunk of the torch backends may hold in its largest temporary.
+CHUNK_ELEMS = 1 << 24
+# Queries per group sharing one read of a block in the torch backends (``utils.csr.group_pairs``).
+PAIRS_PER_GROUP = 32
+
+# resolved once at import: torch.compile cannot trace importlib inside pisa_attn
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
 class SelectConfig:
-    """Resolved selection knobs (see ``pisa.pisa_select`` for their meaning)."""
+    """Resolved selection knobs (see ``pisa.pisa_select`` for their meaning). The field defaults
+    are the library's defaults: public signatures read them from here."""
 
     block_size: int = 64
     topk: int = 16
@@ -44,45 +55,43 @@ class SelectConfig:
         """How many non-forced blocks a query may take."""
         return self.topk - n_forced if self.forced_in_budget else self.topk
 
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype of the torch backends: fp64 for fp64 inputs (the oracle tests), else
-    fp32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    def astuple(self) -> tuple:
+        """The fields in order: the scalar arguments of the custom ops (``SelectConfig(*t)``
+        rebuilds it)."""
+        return astuple(self)
 
 
-def level_sizes(n_leaves: int, branching: int) -> list[int]:
-    """Node counts per pyramid level, leaves first, ending at a single root."""
-    sizes = [max(n_leaves, 1)]
-    while sizes[-1] > 1:
-        sizes.append(cdiv(sizes[-1], branching))
-    return sizes
-
-
-def forced_leaves(t_abs: int, block_size: int) -> list[int]:
-    """Forced leaf blocks of the query at absolute position ``t_abs``: sink, previous, current."""
-    cur = t_abs // block_size
-    return sorted({0, max(cur - 1, 0), cur})
-
-
-def check_geometry(block_size: int, branching: int) -> None:
-    """Check the pyramid geometry (leaf block size ``C``, branching factor ``g``)."""
-    if not isinstance(block_size, int) or block_size < 4 or block_size > 256 \
-            or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two in [4, 256], got {block_size!r}")
-    if not isinstance(branching, int) or branching < 2:
+def check_geometry(block_size: int, branching: int, backend: str = "torch") -> None:
+    """Check the pyramid geometry (leaf block size ``C``, branching factor ``g``) for a resolved
+    ``backend`` (``"torch"``: the widest range, for objects made before a backend is known)."""
+    lo, hi = BLOCK_SIZES[backend]
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < lo \
+            or block_size > hi or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two in [{lo}, {hi}] for backend "
+                         f"{backend!r}, got {block_size!r}")
+    if not isinstance(branching, int) or isinstance(branching, bool) or branching < 2:
         raise ValueError(f"branching must be an int >= 2, got {branching!r}")
 
 
-def resolve_config(q: torch.Tensor, k: torch.Tensor, *, block_size: int, topk: int,
-                   branching: int, beam: int | None, scorer: str, selector: str,
-                   forced_in_budget: bool, scale: float | None) -> SelectConfig:
-    """Check the selection knobs and fill in defaults; raise ``ValueError`` naming the bad one."""
-    check_geometry(block_size, branching)
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """``"auto"`` -> ``"triton"`` on CUDA when Triton is installed, else ``"torch"``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if q.is_cuda and HAS_TRITON else "torch"
+    return backend
+
+
+def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
+                   block_size: int = SelectConfig.block_size, topk: int = SelectConfig.topk,
+                   branching: int = SelectConfig.branching, beam: int | None = None,
+                   scorer: str = SelectConfig.scorer, selector: str = SelectConfig.selector,
+                   forced_in_budget: bool = SelectConfig.forced_in_budget,
+                   scale: float | None = None) -> SelectConfig:
+    """Check the selection knobs for the resolved ``backend`` and fill in defaults (``beam``:
+    ``topk``; ``scale``: ``D ** -0.5``; ``selector="auto"`` by ``k``'s length); raise
+    ``ValueError`` naming the bad one."""
+    check_geometry(block_size, branching, backend)
     if scorer not in SCORERS:
         raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
     if selector not in SELECTORS:
@@ -150,43 +159,3 @@ def check_block_idx(block_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -
                          f"{want[2]}, S], got {tuple(block_idx.shape)}")
     if block_idx.device != q.device:
         raise ValueError(f"block_idx is on {block_idx.device} but q is on {q.device}")
-
-
-@dataclass(frozen=True)
-class PairGroups:
-    """(query, block) pairs regrouped by block into fixed-size groups.
-
-    Used wherever many queries each read a few blocks of keys (the leaf stage of the selection, the
-    torch attention): grouping the pairs by block lets each group of up to ``size`` queries share
-    one read of the block, so the bytes moved per pair drop from ``C*D`` to about ``G*D``.
-    """
-
-    order: torch.Tensor   # [P] pair ids sorted by block
-    group: torch.Tensor   # [P] group of each sorted pair
-    slot: torch.Tensor    # [P] its row inside the group
-    block: torch.Tensor   # [n_groups] block each group reads
-    size: int
-
-    @property
-    def n_groups(self) -> int:
-        return self.block.shape[0]
-
-    def layout(self, per_pair: torch.Tensor, empty: int) -> torch.Tensor:
-        """``per_pair [P]`` values laid out as ``[n_groups * size]`` (``empty`` in unused slots)."""
-        out = torch.full((self.n_groups * self.size,), empty, dtype=per_pair.dtype,
-                         device=per_pair.device)
-        out[self.group * self.size + self.slot] = per_pair[self.order]
-        return out
-
-
-def group_pairs(pair_block: torch.Tensor, n_blocks: int, size: int = 32) -> PairGroups:
-    """Group pairs (``pair_block [P]`` = the block each pair reads, < ``n_blocks``) by block."""
-    block, order = torch.sort(pair_block, stable=True)
-    per_block = torch.bincount(block, minlength=n_blocks)
-    groups_per_block = (per_block + size - 1) // size
-    first_group = torch.cumsum(groups_per_block, 0) - groups_per_block
-    first_pair = torch.cumsum(per_block, 0) - per_block
-    rank = torch.arange(block.numel(), device=block.device) - first_pair[block]
-    group_block = torch.repeat_interleave(torch.arange(n_blocks, device=block.device),
-                                          groups_per_block)
-    return PairGroups(order, first_group[block] + rank // size, rank % size, group_block, size)

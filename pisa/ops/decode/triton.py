@@ -1,7 +1,7 @@
 """Fused Triton decode step: pyramid walk on the cache's key sums, exact leaf ranking and sparse
 attention over the selected blocks, for a batch of sequences of different lengths.
 
-Semantics are those of ``decode.decode_torch``: the query of sequence ``b`` sits at position
+Semantics are those of ``torch.decode_torch``: the query of sequence ``b`` sits at position
 ``t = cache_seqlens[b] - 1`` (its own key already appended) and the result equals row ``t`` of
 prefill (``pisa_select`` + sparse attention) over the sequence's first ``t + 1`` keys.
 
@@ -18,14 +18,14 @@ walk equals prefill's):
   from ``t``, ``C`` and ``g`` how many top levels are like that, skips them, and starts at the
   first level with more free nodes, taking all free nodes of the level above as kept. From there
   the candidates are the children of the kept nodes of the level above and of its forced nodes
-  (``select_triton._candidates``), free ones only: always more than ``W``, so each is scored per
+  (``select.triton.candidates``), free ones only: always more than ``W``, so each is scored per
   head by the LSE over its children's means (``_child_lse``: the cache's sums over the children's
   key count, which is the full span, as every ranked node lies before the query), summed over
   heads, and ``tl.topk`` over packed (score, index) keys keeps ``W``. Per ranked level that is
   ``g`` loads of the candidates' child sums (in flight together, ``num_stages`` permitting),
   their dots and the top-k.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
-  keys (``select_triton._leaf_key_scores``: one ``[g * C, D]`` load and one dot per parent, the
+  keys (``select.triton.leaf_key_scores``: one ``[g * C, D]`` load and one dot per parent, the
   next parents' keys loading meanwhile); the best ``K - #forced`` free blocks (``K`` with
   ``forced_in_budget=False``) join the sink, previous and current blocks.
 - attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
@@ -41,7 +41,7 @@ Nothing depends on tensor values on the host (no ``.item()``, allocation sizes f
 so a step is capturable in a CUDA graph. ``cache_seqlens`` values above ``T_max`` are clamped to it;
 ``0`` gives ``o = 0`` and ``lse = -inf``.
 
-Precision. As in ``select_triton``: keys and queries enter ``tl.dot`` in their dtype (fp32
+Precision. As in ``select.triton``: keys and queries enter ``tl.dot`` in their dtype (fp32
 accumulation), the fp32 child means against 16-bit queries as a 16-bit head plus residual, fp32
 inputs with ``input_precision="ieee"``. Means are ``sums / counts`` in fp32 (a product with the
 exact reciprocal of the count, a power of two), as the prefill build computes them from its own
@@ -60,12 +60,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_triton import _LN2_K, _LOG2E, _empty, _load_rows, _poisoned, _pow2, _store_rows
-from .decode import check_decode
-from .pyramid import level_offsets
-from .select_triton import (_F32_PRECISION, _KEY_NONE, _candidates, _dot_nt, _dot_nt_f32,
-                            _forced_parents, _leaf_key_scores, _load_queries, _pack, _unpack_idx)
-from .utils import SelectConfig, cdiv
+from ..select.triton import candidates, forced_parents, leaf_key_scores
+from ..utils.config import SelectConfig
+from ..utils.geometry import cdiv, level_offsets, pow2
+from ..utils.op import (F32_PRECISION, KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries,
+                        load_rows, online_softmax_step, pack, selection_row, softmax_output,
+                        store_rows, unpack_idx)
 
 _HEAD_DIMS = (16, 32, 64, 128)
 _BRANCHINGS = (2, 4)
@@ -133,21 +133,11 @@ def _child_lse(b_q, o_x, m_x, p_child, s_cn, inv_n, scale,
     for c in tl.range(0, G_BR, num_stages=STAGES):
         p = p_child + (o_x * G_BR + c).to(tl.int64)[:, None] * s_cn + o_d[None, :]
         b_mean = tl.load(p, mask=m_x[:, None], other=0.) * inv_n
-        b_x = _dot_nt_f32(b_q, b_mean, F32_PREC) * scale  # finite: masked rows read zeros
+        b_x = dot_nt_f32(b_q, b_mean, F32_PREC) * scale  # finite: masked rows read zeros
         b_new = tl.maximum(b_max, b_x)
         b_acc = b_acc * tl.exp(b_max - b_new) + tl.exp(b_x - b_new)
         b_max = b_new
     return tl.where(m_x[None, :], b_max + tl.log(b_acc), float("-inf"))
-
-
-@triton.jit
-def _dot_pv(b_p, b_v, F32_PREC: tl.constexpr):
-    """``b_p [M, C] @ b_v [C, D]`` in fp32, ``b_p`` rounded to the values' dtype."""
-    if b_v.dtype == tl.float32:
-        b_o = tl.dot(b_p, b_v, input_precision=F32_PREC)
-    else:
-        b_o = tl.dot(b_p.to(b_v.dtype), b_v)
-    return b_o
 
 
 @triton.jit
@@ -173,7 +163,7 @@ def _decode_kernel(
     natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending (``-1`` padded).
     """
     i_b, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b_q, m_row = _load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, ROWS, 1, D, D)
+    b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, ROWS, 1, D, D)
     seqlen = tl.minimum(tl.load(p_seqlens + i_b), T_max)
     t = seqlen - 1  # the query's position; -1 for an empty sequence (every key masked)
     cur = tl.maximum(t, 0) // C  # 0 for an empty sequence too: no free node at any level
@@ -199,17 +189,17 @@ def _decode_kernel(
 
     # Ranked levels: each has more than W candidates (the first by the skip, the next ones
     # G_BR * W children of the W kept nodes at least), so W are kept. The candidates are the
-    # children of the kept and of the forced nodes above (select_triton._candidates), scored per
+    # children of the kept and of the forced nodes above (select_triton.candidates), scored per
     # head by the LSE over their children's means, summed over heads.
     for _ in range(n_skip, n_walk):
         sc = shift - LOG_G  # the children's shift
-        o_x, m_x = _candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), G_BR, G_BR, WP)
+        o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), G_BR, G_BR, WP)
         m_x = m_x & (o_x >= 1) & (o_x < _free_end(cur, shift))  # free nodes only
         b_sm = _child_lse(b_q, o_x, m_x, p_sh + lo_c.to(tl.int64) * s_sn, s_sn,
                           _exp2i(-(sc + LOG_C)), scale, G_BR, D, F32_PREC, CHILD_STAGES)
         b_s = tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
-        b_top = tl.topk(tl.where(m_x, _pack(b_s, o_x), _KEY_NONE), WP)
-        b_rest = tl.where(b_top != _KEY_NONE, _unpack_idx(b_top), 0)
+        b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WP)
+        b_rest = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
         n_rest = W
         shift = sc
         sg = tl.maximum(sc - LOG_G, 0)  # the grandchildren's (unused after the last level)
@@ -219,41 +209,30 @@ def _decode_kernel(
     # forced parent (sink, previous, current); scores land in the candidate slots by index.
     # LEAF_STAGES - 1 parents' keys are loaded ahead of the one being scored.
     NX: tl.constexpr = 2 * G_BR * WP
-    o_x, m_x = _candidates(b_rest, n_rest, cur, cur, G_BR, G_BR, G_BR, WP)
+    o_x, m_x = candidates(b_rest, n_rest, cur, cur, G_BR, G_BR, G_BR, WP)
     m_free = m_x & (o_x >= 1) & (o_x <= cur - 2)
     o_c = tl.arange(0, G_BR)
     b_s = tl.zeros([NX], dtype=tl.float32)
     for j in tl.range(0, n_rest + 3, num_stages=LEAF_STAGES):
-        par_f, new_f = _forced_parents(j - n_rest, cur, cur, G_BR)
+        par_f, new_f = forced_parents(j - n_rest, cur, cur, G_BR)
         kept = j < n_rest
         par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
         o_leaf = par * G_BR + o_c
         m_leaf = (kept | new_f) & (o_leaf >= 1) & (o_leaf <= cur - 2)
-        b_sj = tl.sum(_leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
+        b_sj = tl.sum(leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
                                        1, ROWS, C, C, D, D, 0, F32_PREC), axis=0)  # [G_BR]
         m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, G_BR]
         b_s = tl.where(tl.max(m_hit.to(tl.int32), axis=1) > 0,
                        tl.sum(tl.where(m_hit, b_sj[None, :], 0.), axis=1), b_s)
-    b_top = tl.topk(tl.where(m_free, _pack(b_s, o_x), _KEY_NONE), KS)  # best first
+    b_top = tl.topk(tl.where(m_free, pack(b_s, o_x), KEY_NONE), KS)  # best first
 
-    # The selected blocks as a list: sink, previous, current (-1 when duplicate), then the chosen
-    # free blocks; at most SLOTS entries are used.
-    n_forced = 1 + (cur >= 1).to(tl.int32) + (cur >= 2).to(tl.int32)
-    budget = TOPK - n_forced
-    if not IN_BUDGET:
-        budget = budget + n_forced
-    o_k = tl.arange(0, KS)
-    b_ch = tl.where((o_k < budget) & (b_top != _KEY_NONE), _unpack_idx(b_top), -1)
+    # The selected blocks, ascending; at most SLOTS entries are used.
+    b_row, _ = selection_row(tl.full([1], 0, tl.int32) + cur, b_top[None, :], TOPK, IN_BUDGET, SP)
+    b_sel = tl.reshape(b_row, [SP])
     o_s = tl.arange(0, SP)
-    b_sel = tl.sum(tl.where(o_k[None, :] == o_s[:, None] - 3, b_ch[None, :] + 1, 0), axis=1) - 1
-    b_sel = tl.where(o_s == 2, tl.where(cur >= 1, cur, -1), b_sel)
-    b_sel = tl.where(o_s == 1, tl.where(cur >= 2, cur - 1, -1), b_sel)
-    b_sel = tl.where(o_s == 0, 0, b_sel)
     if WRITE_IDX:
         if i_s == 0:
-            b_asc = tl.sort(tl.where(b_sel >= 0, b_sel, 0x7FFFFFFF))
-            tl.store(p_idx + i_b * s_ib + i_h * s_ih + o_s,
-                     tl.where(b_asc == 0x7FFFFFFF, -1, b_asc), mask=o_s < SLOTS)
+            tl.store(p_idx + i_b * s_ib + i_h * s_ih + o_s, b_sel, mask=o_s < SLOTS)
 
     # Attention over this split's share of the list (online softmax in base 2).
     p_vh = p_v + i_b.to(tl.int64) * s_vb + i_h * s_vh
@@ -265,23 +244,14 @@ def _decode_kernel(
         blk = tl.sum(tl.where(o_s == i_s * KPS + j, b_sel + 1, 0)) - 1
         o_key = blk * C + o_t
         m_key = (blk >= 0) & (o_key <= t)
-        b_k = _load_rows(p_kh, o_key.to(tl.int64) * s_kt, m_key, D)
-        b_v = _load_rows(p_vh, o_key.to(tl.int64) * s_vt, m_key, D)
-        b_z = tl.where(m_key[None, :], _dot_nt(b_q, b_k, F32_PREC) * scale_log2, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_z, axis=1))
-        # rows that have seen no key yet keep -inf; shift them by 0 so exp2 gives 0, not nan
-        b_shift = tl.where(b_m_new == float("-inf"), 0., b_m_new)
-        b_p = tl.exp2(b_z - b_shift[:, None])
-        b_alpha = tl.exp2(b_m - b_shift)
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_acc = b_acc * b_alpha[:, None] + _dot_pv(b_p, b_v, F32_PREC)
-        b_m = b_m_new
+        b_k = load_rows(p_kh, o_key.to(tl.int64) * s_kt, m_key, D)
+        b_v = load_rows(p_vh, o_key.to(tl.int64) * s_vt, m_key, D)
+        b_z = tl.where(m_key[None, :], dot_nt(b_q, b_k, F32_PREC) * scale_log2, float("-inf"))
+        b_m, b_l, b_acc = online_softmax_step(b_z, b_v, b_m, b_l, b_acc, F32_PREC)
 
     o_head = i_h * G + tl.arange(0, ROWS)
-    b_l_safe = tl.where(b_l > 0, b_l, 1.)
-    _store_rows(p_o + i_b.to(tl.int64) * s_ob + i_s * s_os, o_head * s_oh, m_row,
-                b_acc / b_l_safe[:, None], D)
-    b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l_safe)) * _LN2_K, float("-inf"))
+    b_o, b_lse = softmax_output(b_m, b_l, b_acc)
+    store_rows(p_o + i_b.to(tl.int64) * s_ob + i_s * s_os, o_head * s_oh, m_row, b_o, D)
     tl.store(p_lse + i_b * s_lb + o_head * s_lh + i_s * s_ls, b_lse, mask=m_row)
 
 
@@ -299,7 +269,7 @@ def _combine_kernel(p_po, p_plse, p_o, p_lse, HQ, s_ob, s_oh,
     b_shift = tl.where(b_max == float("-inf"), 0., b_max)
     b_w = tl.exp(b_lse - b_shift)
     b_sum = tl.sum(b_w, axis=0)
-    b_po = _load_rows(p_po, (row + o_sp).to(tl.int64) * D, m_sp & (b_w > 0), D)
+    b_po = load_rows(p_po, (row + o_sp).to(tl.int64) * D, m_sp & (b_w > 0), D)
     b_o = tl.sum(b_w[:, None] * b_po, axis=0) / tl.where(b_sum > 0, b_sum, 1.)
     o_d = tl.arange(0, D)
     tl.store(p_o + i_b.to(tl.int64) * s_ob + i_q * s_oh + o_d, b_o.to(p_o.dtype.element_ty))
@@ -371,14 +341,15 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, *,
                   num_splits: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, return_block_idx: bool = False):
-    """One decode step (selection and attention) with one fused Triton kernel.
+    """One decode step (selection and attention) with one fused Triton kernel (inputs checked by
+    the caller: ``pisa.ops.decode.check_decode``; the kernel's own limits are checked here).
 
     Arguments:
         q: (batch, 1, nheads, headdim), fp16/bf16/fp32, the cache's dtype and device. The query
             of sequence ``b`` sits at position ``cache_seqlens[b] - 1``.
         k_cache, v_cache: (batch, max_seqlen, nheads_k, headdim), last dim contiguous.
         sums: (batch, N_total, nheads_k, headdim) fp32, the pyramid key sums of the cache
-            (``pisa.ops.kvcache`` layout, geometry of ``max_seqlen``).
+            (``pisa.ops.decode.kvcache`` layout, geometry of ``max_seqlen``).
         cache_seqlens: (batch,) int32, valid keys per sequence including the current token.
         cfg: resolved ``SelectConfig`` (``selector="pyramid"``, ``scorer="lse"``, ``branching``
             2 or 4, ``block_size`` 16..128, ``beam >= 1``).
@@ -400,7 +371,6 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     No host synchronisation: a step (with ``kvcache.append_kv`` before it) can be captured in a
     CUDA graph.
     """
-    check_decode(q, k_cache, v_cache, sums, cache_seqlens, cfg)
     _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps, num_stages)
     B, _, HQ, D = q.shape
     T_max, HKV = k_cache.shape[1], k_cache.shape[2]
@@ -408,7 +378,7 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     offsets = level_offsets(T_max, C, g)
     n_levels, n_leaves = len(offsets) - 1, offsets[1]
     W = min(cfg.beam, n_leaves)  # no level has more candidates than leaves
-    WP = max(_pow2(W), 4)  # _candidates' 4 forced-parent slots (and >= 16 candidate columns)
+    WP = max(pow2(W), 4)  # candidates' 4 forced-parent slots (and >= 16 candidate columns)
     if 2 * g * WP > 1024:
         raise ValueError(f"beam={cfg.beam} is too wide for the Triton decode kernel at "
                          f"branching={g}: use beam <= {512 // g}")
@@ -417,20 +387,18 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kps = cdiv(slots, splits)
     splits = cdiv(slots, kps)  # no split without a list entry
 
-    o = _empty(B, 1, HQ, D, dtype=q.dtype, device=q.device)
-    lse = _empty(B, HQ, 1, dtype=torch.float32, device=q.device)
+    o = empty(B, 1, HQ, D, dtype=q.dtype, device=q.device)
+    lse = empty(B, HQ, 1, dtype=torch.float32, device=q.device)
     block_idx = lse  # an unused pointer unless the selection is asked for
     if return_block_idx:
-        block_idx = torch.empty(B, 1, HKV, slots, dtype=torch.int32, device=q.device)
-        if _poisoned():
-            block_idx.fill_(-7)
+        block_idx = empty(B, 1, HKV, slots, dtype=torch.int32, device=q.device)
     if splits == 1:
         out, out_lse = o, lse
         o_strides = (o.stride(0), o.stride(2), 0)
         l_strides = (lse.stride(0), lse.stride(1), 0)
     else:
-        out = _empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
-        out_lse = _empty(B, HQ, splits, dtype=torch.float32, device=q.device)
+        out = empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
+        out_lse = empty(B, HQ, splits, dtype=torch.float32, device=q.device)
         o_strides = out.stride()[:3]
         l_strides = out_lse.stride()
     if B == 0:
@@ -440,15 +408,15 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     stages = num_stages or _NUM_STAGES
     _decode_kernel[(B, HKV, splits)](
         q, k_cache, v_cache, sums, cache_seqlens, out, out_lse, block_idx,
-        T_max, n_leaves, max(n_levels - 2, 0), cfg.scale, cfg.scale * _LOG2E,
+        T_max, n_leaves, max(n_levels - 2, 0), cfg.scale, cfg.scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3],
         *v_cache.stride()[:3], sums.stride(0), sums.stride(1), sums.stride(2),
         *o_strides, *l_strides, block_idx.stride(0), block_idx.stride(2),
-        G=G, ROWS=max(_pow2(G), _MIN_ROWS), D=D, C=C, LOG_C=C.bit_length() - 1, G_BR=g,
+        G=G, ROWS=max(pow2(G), _MIN_ROWS), D=D, C=C, LOG_C=C.bit_length() - 1, G_BR=g,
         LOG_G=g.bit_length() - 1, W=W, WP=WP,
-        KS=min(2 * g * WP, _pow2(cfg.topk)), TOPK=cfg.topk, IN_BUDGET=cfg.forced_in_budget,
-        SLOTS=slots, SP=_pow2(slots), KPS=kps, WRITE_IDX=return_block_idx,
-        F32_PREC=_F32_PRECISION,
+        KS=min(2 * g * WP, pow2(cfg.topk)), TOPK=cfg.topk, IN_BUDGET=cfg.forced_in_budget,
+        SLOTS=slots, SP=pow2(slots), KPS=kps, WRITE_IDX=return_block_idx,
+        F32_PREC=F32_PRECISION,
         # tiles: a level's candidates' fp32 child sums, a parent's leaf keys, a block's K and V
         CHILD_STAGES=_stages(stages, 2 * g * WP * D * 4, g),
         LEAF_STAGES=_stages(stages, g * C * D * es, WP + 3),
@@ -456,5 +424,5 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_warps=num_warps or _NUM_WARPS, num_stages=stages)
     if splits > 1:
         _combine_kernel[(B, HQ)](out, out_lse, o, lse, HQ, o.stride(0), o.stride(2),
-                                 SPLITS=splits, SPP=_pow2(splits), D=D, num_warps=4)
+                                 SPLITS=splits, SPP=pow2(splits), D=D, num_warps=4)
     return (o, lse, block_idx) if return_block_idx else (o, lse)

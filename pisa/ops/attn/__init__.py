@@ -1,0 +1,81 @@
+"""Sparse attention over selected key blocks: the custom op ``pisa::sparse_attn``, its autograd
+and its dispatch to ``torch.attn_fwd_torch`` / ``triton.attn_fwd_triton`` (and their backwards);
+``naive.naive_attn`` is the fp64 oracle.
+
+Both custom ops are opaque to torch.compile (data-dependent indexing, host syncs inside).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("pisa::sparse_attn", mutates_args=())
+def _attn_op(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: int, scale: float,
+             backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """``o`` (q's dtype) and ``lse [B, HQ, Tq]`` (fp64 for fp64 torch inputs, else fp32)."""
+    if backend == "triton":
+        from .triton import attn_fwd_triton
+        return attn_fwd_triton(q, k, v, block_idx, block_size, scale)
+    from .torch import attn_fwd_torch
+    return attn_fwd_torch(q, k, v, block_idx, block_size, scale)
+
+
+@_attn_op.register_fake
+def _(q, k, v, block_idx, block_size, scale, backend, deterministic):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 and backend == "torch" \
+        else torch.float32
+    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
+                                            dtype=lse_dtype)
+
+
+@torch.library.custom_op("pisa::sparse_attn_bwd", mutates_args=())
+def _attn_bwd_op(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
+                 lse: Tensor, block_idx: Tensor, block_size: int, scale: float,
+                 backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    if backend == "triton":
+        from .triton import attn_bwd_triton
+        return attn_bwd_triton(do, dlse, q, k, v, o, lse, block_idx, block_size, scale,
+                               deterministic)
+    from .torch import attn_bwd_torch
+    return attn_bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale)
+
+
+@_attn_bwd_op.register_fake
+def _(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, backend, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, block_idx = inputs[:4]
+    ctx.save_for_backward(q, k, v, output[0], output[1], block_idx)
+    ctx.args = inputs[4:]
+
+
+def _attn_backward(ctx, do, dlse):
+    q, k, v, o, lse, block_idx = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd_op(do.contiguous(), dlse, q, k, v, o, lse, block_idx, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attn_op.register_autograd(_attn_backward, setup_context=_attn_setup)
+
+
+def sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: int,
+                scale: float, backend: str, deterministic: bool = False):
+    """Exact attention of each query over the keys of its selected blocks (causal).
+
+    ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, HKV, D]``, ``block_idx [B, Tq, HKV, S]`` int32 (ascending,
+    -1 padded), all checked by the caller; ``scale`` resolved; ``backend`` ``"torch"``,
+    ``"triton"`` or ``"naive"``. Returns ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]``
+    fp32, both differentiable in q, k, v. ``deterministic=True`` makes the Triton backward bitwise
+    reproducible (no atomics; the torch backward always is).
+    """
+    if backend == "naive":
+        from .naive import naive_attn
+        o, lse = naive_attn(q, k, v, block_idx.cpu(), block_size, scale)
+        return o.to(q.dtype), lse.float()
+    o, lse = _attn_op(q, k, v, block_idx, block_size, scale, backend, bool(deterministic))
+    return o, lse.float()

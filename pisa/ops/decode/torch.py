@@ -1,0 +1,108 @@
+"""One decode step in PyTorch (CPU and CUDA): the vectorised reference of the fused Triton kernel.
+
+The pyramid walk of ``select.torch`` runs on the cache's pyramid (geometry of ``T_max``) with a
+position per sequence, exact leaf scores are read from the cache, then softmax attention over the
+selected blocks. Why the ``T_max`` geometry walks like a prefill pyramid over ``seqlen`` keys:
+nodes that start after the query are dropped and the nodes holding it are forced (never ranked),
+so above the prefill root only node 0 is active. Every ranked node lies wholly before the query's
+block, so its children are full: their means ``sums / full count`` are exact, and the count
+weights of the scores equal those of the ``T_max`` geometry. Nodes holding the query or later keys
+are never scored, so their (partial) sums never matter.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..select.torch import finish_selection, flat_mean_scores, group_score, is_in, walk
+from ..utils.config import SelectConfig
+from ..utils.geometry import cdiv, compute_dtype, forced_leaves_tensor
+from .kvcache import pyramid_from_sums
+
+
+def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig):
+    """One decode step: selection and attention for one query per sequence (inputs checked by
+    the caller: ``check_decode``).
+
+    Arguments:
+        q: (batch, 1, nheads, headdim), the cache's dtype. The query of sequence ``b`` sits at
+            position ``cache_seqlens[b] - 1``: its own key is already in the cache.
+        k_cache, v_cache: (batch, max_seqlen, nheads_k, headdim).
+        sums: (batch, N_total, nheads_k, headdim) fp32 (fp64 for fp64 caches), the pyramid sums.
+        cache_seqlens: (batch,) int32, valid keys per sequence (0 gives ``o = 0``, ``lse = -inf``).
+        cfg: resolved ``SelectConfig`` (block size and branching of the cache).
+
+    Returns:
+        out: (batch, 1, nheads, headdim), q's dtype. Equals row ``cache_seqlens[b] - 1`` of
+            ``pisa_attn`` over the sequence's first ``cache_seqlens[b]`` keys. Not differentiable.
+        lse: (batch, nheads, 1) fp32, natural log.
+
+    Work per step is O(N/C) in this reference (it forms the means of the whole pyramid); the
+    walk and the attention read O(log N) summaries and ``K`` blocks per KV head.
+    """
+    with torch.no_grad():
+        return _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg)
+
+
+def _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg: SelectConfig):
+    B, _, HQ, D = q.shape
+    H, C = k_cache.shape[2], cfg.block_size
+    n_leaves = cdiv(k_cache.shape[1], C)
+    t_abs = cache_seqlens.long()[:, None] - 1  # [B, 1] the query's position
+    pos = t_abs.clamp_min(0)  # an empty sequence selects as if at 0, then attends to nothing
+    forced = forced_leaves_tensor(pos, C)  # [B, 1, 3]
+    qs = q.to(compute_dtype(q)).reshape(B, 1, H, HQ // H, D) * cfg.scale
+    pyramid = pyramid_from_sums(sums, n_leaves * C, C, cfg.branching)
+    if cfg.selector == "pyramid":
+        cand = walk(qs, pyramid, pos, forced, cfg)
+    else:
+        cand = torch.arange(n_leaves, device=q.device).expand(B, 1, H, n_leaves)
+    free = (cand >= 0) & (cand * C <= pos[..., None, None]) & ~is_in(cand, forced)
+    cand = torch.where(free, cand, -1)
+    if cfg.selector == "flat_mean" or (cfg.selector == "pyramid" and cfg.scorer == "mean"):
+        score = flat_mean_scores(qs, pyramid.level(1)[0], cand)
+    else:
+        scorer = "lse" if cfg.selector == "flat_lse" else cfg.scorer
+        score = _leaf_scores(qs, k_cache, cand, pos, C, scorer)
+    block_idx, _ = finish_selection(cand, score, forced, cfg)
+    return _attend(qs, k_cache, v_cache, block_idx, t_abs, C, q.dtype)
+
+
+def _block_rows(x: torch.Tensor, blocks: torch.Tensor, last: torch.Tensor, block_size: int):
+    """Keys (or values) of ``blocks [B, H, M]`` (-1 = none) read from ``x [B, T, H, D]``:
+    ``([B, H, M, C, D], mask [B, H, M, C])``; the mask keeps real positions ``<= last [B]``."""
+    B, T, H, _ = x.shape
+    p = blocks[..., None].long() * block_size + torch.arange(block_size, device=x.device)
+    mask = (blocks[..., None] >= 0) & (p <= last[:, None, None, None])
+    b = torch.arange(B, device=x.device)[:, None, None, None]
+    h = torch.arange(H, device=x.device)[None, :, None, None]
+    return x[b, p.clamp(0, T - 1), h], mask
+
+
+def _leaf_scores(qs, k_cache, cand, pos, block_size, scorer):
+    """Exact scores of candidate leaves ``cand [B, 1, H, M]`` from their keys up to ``pos``:
+    ``[B, 1, H, M]``, -inf where ``cand < 0``."""
+    keys, mask = _block_rows(k_cache, cand[:, 0], pos[:, 0], block_size)
+    mask = mask[..., None, :]  # [B, H, M, 1, C]
+    z = torch.einsum("bhgd,bhmcd->bhmgc", qs[:, 0], keys.to(qs.dtype))
+    z = z.masked_fill_(~mask, -math.inf)  # slots past the sequence may hold anything, even NaN
+    score = group_score(z, mask.to(z.dtype), scorer)
+    return torch.where(cand[:, 0] >= 0, score, -math.inf)[:, None]
+
+
+def _attend(qs, k_cache, v_cache, block_idx, t_abs, block_size, out_dtype):
+    """Softmax attention of scaled queries ``qs [B, 1, H, G, D]`` over the keys ``<= t_abs`` of
+    ``block_idx [B, 1, H, S]``: ``o [B, 1, H*G, D]`` and ``lse [B, H*G, 1]`` fp32."""
+    B, _, H, G, D = qs.shape
+    keys, mask = _block_rows(k_cache, block_idx[:, 0], t_abs[:, 0], block_size)
+    vals, _ = _block_rows(v_cache, block_idx[:, 0], t_abs[:, 0], block_size)
+    mask = mask.flatten(2)  # [B, H, S*C]: slots past the sequence may hold anything, even NaN
+    vals = vals.flatten(2, 3).to(qs.dtype).masked_fill_(~mask[..., None], 0.0)
+    z = torch.einsum("bhgd,bhnd->bhgn", qs[:, 0], keys.flatten(2, 3).to(qs.dtype))
+    z = z.masked_fill_(~mask[:, :, None, :], -math.inf)
+    lse = torch.logsumexp(z, dim=-1)  # [B, H, G]; -inf for a sequence with no key
+    p = torch.exp(z - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    o = torch.einsum("bhgn,bhnd->bhgd", p, vals)
+    return o.reshape(B, 1, H * G, D).to(out_dtype), lse.reshape(B, H * G, 1).float()

@@ -1,0 +1,155 @@
+"""The key pyramid in one pass over ``k`` (Triton): layout of ``pisa.ops.pyramid``.
+
+A program per (chunk of 16 leaves, KV head, batch) sums its keys into leaf sums and folds them
+upward in registers for the levels the chunk spans (``g`` a power of two); a second launch, a
+program per (KV head, batch), folds the few levels above from those sums. fp32 sums,
+``means = sums / counts``, as ``build_pyramid_torch``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils.geometry import cdiv, level_offsets, pow2
+from ..utils.op import device_offsets
+from . import Pyramid
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _pyramid_chunk_kernel(
+        p_k, p_means, p_counts, p_sums, p_off, T,
+        s_kb, s_kt, s_kh, s_mb, s_mn, s_mh, s_sb, s_sn, s_sh,
+        C: tl.constexpr, CB: tl.constexpr, LEAVES: tl.constexpr, LEVELS: tl.constexpr,
+        G_BR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, WRITE_SUMS: tl.constexpr):
+    """Leaves ``[i_c * LEAVES, (i_c + 1) * LEAVES)`` and the ``LEVELS`` levels of nodes above them
+    that lie inside this chunk; the sums of the topmost of those levels go to ``p_sums`` when the
+    top kernel must continue from them."""
+    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_leaf = i_c * LEAVES + tl.arange(0, LEAVES)
+    o_cb = tl.arange(0, CB)
+    o_d = tl.arange(0, DP)
+    m_d = o_d < D
+    p_kh = p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh
+
+    b_sum = tl.zeros([LEAVES, DP], dtype=tl.float32)
+    for c0 in range(0, C, CB):
+        o_t = o_leaf[:, None] * C + c0 + o_cb[None, :]  # [LEAVES, CB] token positions
+        p_kc = p_kh + o_t.to(tl.int64)[:, :, None] * s_kt + o_d[None, None, :]
+        b_k = tl.load(p_kc, mask=(o_t < T)[:, :, None] & m_d[None, None, :], other=0.)
+        b_sum += tl.sum(b_k.to(tl.float32), axis=1)
+    b_n = tl.minimum(tl.maximum(T - o_leaf * C, 0), C)  # real keys per leaf, 0 past the end
+
+    o_node = o_leaf
+    for lv in tl.static_range(LEVELS + 1):
+        if lv > 0:
+            # Fold G_BR siblings (adjacent rows: chunks are aligned to G_BR**LEVELS leaves).
+            b_sum = tl.sum(tl.reshape(b_sum, [b_sum.shape[0] // G_BR, G_BR, DP]), axis=1)
+            b_n = tl.sum(tl.reshape(b_n, [b_n.shape[0] // G_BR, G_BR]), axis=1)
+            o_node = i_c * b_n.shape[0] + tl.arange(0, b_n.shape[0])
+        lo = tl.load(p_off + lv)
+        m_node = o_node < tl.load(p_off + lv + 1) - lo
+        b_mean = b_sum / tl.maximum(b_n, 1).to(tl.float32)[:, None]
+        p_m = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh \
+            + (lo + o_node).to(tl.int64)[:, None] * s_mn + o_d[None, :]
+        tl.store(p_m, b_mean, mask=m_node[:, None] & m_d[None, :])
+        if i_h + i_b == 0:
+            tl.store(p_counts + lo + o_node, b_n, mask=m_node)
+    if WRITE_SUMS:
+        p_s = p_sums + i_b.to(tl.int64) * s_sb + i_h * s_sh \
+            + o_node.to(tl.int64)[:, None] * s_sn + o_d[None, :]
+        tl.store(p_s, b_sum, mask=m_node[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _pyramid_top_kernel(
+        p_means, p_counts, p_sums, p_off, T, lvl0, n_levels, span0,
+        s_mb, s_mn, s_mh, s_sb, s_sn, s_sh,
+        C: tl.constexpr, G_BR: tl.constexpr, PB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Levels ``lvl0 + 1 .. n_levels`` from the sums of level ``lvl0`` (rows of ``p_sums``, which
+    this program extends level by level: row ``r`` holds pyramid row ``offsets[lvl0 - 1] + r``)."""
+    i_h, i_b = tl.program_id(0), tl.program_id(1)
+    o_d = tl.arange(0, DP)
+    m_d = o_d < D
+    p_sh = p_sums + i_b.to(tl.int64) * s_sb + i_h * s_sh
+    p_mh = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh
+    base = tl.load(p_off + lvl0 - 1)
+    span = span0  # leaves under one node of the level being built
+    for lvl in range(lvl0 + 1, n_levels + 1):
+        lo_c = tl.load(p_off + lvl - 2)
+        lo = tl.load(p_off + lvl - 1)
+        n_par = tl.load(p_off + lvl) - lo
+        for p0 in range(0, n_par, PB):
+            o_p = p0 + tl.arange(0, PB)
+            m_p = o_p < n_par
+            b_sum = tl.zeros([PB, DP], dtype=tl.float32)
+            for r in range(0, G_BR):
+                o_c = o_p * G_BR + r
+                m_c = m_p & (o_c < lo - lo_c)
+                p = p_sh + (lo_c - base + o_c).to(tl.int64)[:, None] * s_sn + o_d[None, :]
+                b_sum += tl.load(p, mask=m_c[:, None] & m_d[None, :], other=0.)
+            b_n = tl.minimum(tl.maximum(T - o_p * span * C, 0), span * C)
+            m_st = m_p[:, None] & m_d[None, :]
+            p = p_sh + (lo - base + o_p).to(tl.int64)[:, None] * s_sn + o_d[None, :]
+            tl.store(p, b_sum, mask=m_st)
+            p = p_mh + (lo + o_p).to(tl.int64)[:, None] * s_mn + o_d[None, :]
+            tl.store(p, b_sum / tl.maximum(b_n, 1).to(tl.float32)[:, None], mask=m_st)
+            if i_h + i_b == 0:
+                tl.store(p_counts + lo + o_p, b_n, mask=m_p)
+        # The next level reads the sums this level's threads just wrote.
+        tl.debug_barrier()
+        span = span * G_BR
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher and public function
+# ------------------------------------------------------------------------------------------------
+
+def _launch_pyramid_build(k: torch.Tensor, block_size: int, branching: int,
+                          offsets: tuple[int, ...], leaves_per_program: int = 16):
+    """Means ``[B, offsets[-1], HKV, D]`` fp32 and counts ``[offsets[-1]]`` int32 of ``k``."""
+    B, T, H, D = k.shape
+    C, g = block_size, branching
+    n_levels = len(offsets) - 1
+    means = torch.empty(B, offsets[-1], H, D, dtype=torch.float32, device=k.device)
+    counts = torch.empty(offsets[-1], dtype=torch.int32, device=k.device)
+    off = device_offsets(tuple(offsets), k.device)
+    DP = max(16, pow2(D))
+    leaves = pow2(leaves_per_program)
+    # In-chunk levels need G_BR siblings to be adjacent rows of a power-of-two register tile.
+    levels = 0
+    if g & (g - 1) == 0:
+        while g ** (levels + 1) <= leaves and levels + 1 < n_levels:
+            levels += 1
+    write_sums = levels + 1 < n_levels
+    sums = means
+    if write_sums:
+        sums = torch.empty(B, offsets[-1] - offsets[levels], H, D, dtype=torch.float32,
+                           device=k.device)
+    CB = max(1, min(C, 8192 // (leaves * DP)))
+    grid = (cdiv(offsets[1], leaves), H, B)
+    _pyramid_chunk_kernel[grid](
+        k, means, counts, sums, off, T,
+        k.stride(0), k.stride(1), k.stride(2), means.stride(0), means.stride(1), means.stride(2),
+        sums.stride(0), sums.stride(1), sums.stride(2),
+        C=C, CB=CB, LEAVES=leaves, LEVELS=levels, G_BR=g, D=D, DP=DP, WRITE_SUMS=write_sums,
+        num_warps=4)
+    if write_sums:
+        _pyramid_top_kernel[(H, B)](
+            means, counts, sums, off, T, levels + 1, n_levels, g ** (levels + 1),
+            means.stride(0), means.stride(1), means.stride(2),
+            sums.stride(0), sums.stride(1), sums.stride(2),
+            C=C, G_BR=g, PB=32, D=D, DP=DP, num_warps=4)
+    return means, counts
+
+
+def build_pyramid_triton(k: torch.Tensor, block_size: int, branching: int) -> Pyramid:
+    """The key pyramid of ``k [B, T, HKV, D]`` in one pass over
+    ``k``: fp32 sums folded upward, ``means = sums / counts``."""
+    offsets = level_offsets(k.shape[1], block_size, branching)
+    means, counts = _launch_pyramid_build(k, block_size, branching, offsets)
+    return Pyramid(means, counts, offsets)

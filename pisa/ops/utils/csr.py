@@ -1,0 +1,93 @@
+"""Selections transposed by block: entries grouped by the block they read (CSR over blocks).
+
+Whenever many queries each read a few blocks (the torch leaf stage and attention, the Triton
+"csc" leaf stage, the Triton dK/dV pass), grouping the (query, block) entries by block lets a
+group of queries share one read of the block. One primitive, ``sort_by_key``, does the grouping
+for all of them: a stable sort (queries stay ascending inside a block's list) and the start of
+each block's run, found by ``searchsorted`` (no host sync). O(entries) memory: never a dense
+token x block mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def sort_by_key(key: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the entries of ``key [P]`` (values in ``[0, n_keys)``; larger values sort last and
+    belong to no group): ``order [P]``, entry ids sorted by key, stable; ``start [n_keys + 1]``,
+    group ``i`` is ``order[start[i]:start[i + 1]]``."""
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = torch.arange(n_keys + 1, dtype=key.dtype, device=key.device)
+    return order, torch.searchsorted(sorted_key, bounds)
+
+
+@dataclass(frozen=True)
+class PairGroups:
+    """(query, block) pairs regrouped by block into groups of at most ``size`` (torch backends):
+    each group reads its block once for all its queries, so the bytes moved per pair drop from
+    ``C*D`` to about ``G*D``."""
+
+    order: torch.Tensor   # [P] pair ids sorted by block
+    group: torch.Tensor   # [P] group of each sorted pair
+    slot: torch.Tensor    # [P] its row inside the group
+    block: torch.Tensor   # [n_groups] block each group reads
+    size: int
+
+    @property
+    def n_groups(self) -> int:
+        return self.block.shape[0]
+
+    def layout(self, per_pair: torch.Tensor, empty: int) -> torch.Tensor:
+        """``per_pair [P]`` values laid out as ``[n_groups * size]`` (``empty`` in unused slots)."""
+        out = torch.full((self.n_groups * self.size,), empty, dtype=per_pair.dtype,
+                         device=per_pair.device)
+        out[self.group * self.size + self.slot] = per_pair[self.order]
+        return out
+
+
+def group_pairs(pair_block: torch.Tensor, n_blocks: int, size: int) -> PairGroups:
+    """Group pairs (``pair_block [P]`` = the block each pair reads, < ``n_blocks``) by block."""
+    order, start = sort_by_key(pair_block, n_blocks)
+    block = pair_block[order]
+    groups_per_block = (start.diff() + size - 1) // size
+    first_group = torch.cumsum(groups_per_block, 0) - groups_per_block
+    rank = torch.arange(block.numel(), device=block.device) - start[block]
+    group_block = torch.repeat_interleave(torch.arange(n_blocks, device=block.device),
+                                          groups_per_block)
+    return PairGroups(order, first_group[block] + rank // size, rank % size, group_block, size)
+
+
+def block_work_items(block_idx: torch.Tensor, n_blocks: int, chunk: int):
+    """The transpose of a selection ``block_idx [B, Tq, HKV, S]`` cut into work items of at most
+    ``chunk`` queries (the Triton dK/dV pass: the sink block, which every query chooses, must not
+    make one program straggle).
+
+    Returns ``tokens`` int32 (for every (batch, KV head, block) in turn, the ascending query tokens
+    that chose it), ``items [n_items, 5]`` int32 rows ``(key, start, end, slot, n_parts)`` with
+    ``key = (b * HKV + h) * n_blocks + block`` and ``tokens[start:end]`` its chunk, ``slot`` the
+    chunk's scratch row when the block is split (else -1) and ``n_parts`` the block's chunk count on
+    its first chunk (else 0), and the number of scratch rows (a host int: one sync).
+    """
+    B, Tq, H, S = block_idx.shape
+    n_keys = B * H * n_blocks
+    idx = block_idx.permute(0, 2, 1, 3).long()  # [B, H, Tq, S]: entries in token order
+    base = torch.arange(B * H, device=idx.device).view(B, H, 1, 1) * n_blocks
+    key = torch.where((idx >= 0) & (idx < n_blocks), base + idx, n_keys).flatten()
+    perm, start = sort_by_key(key, n_keys)
+    tokens = ((perm // S) % Tq).to(torch.int32)
+    counts, ends = start.diff(), start[1:]
+    n_chunks = (counts + chunk - 1) // chunk
+    split = n_chunks > 1
+    n_items, n_parts = torch.stack([n_chunks.sum(), (n_chunks * split).sum()]).tolist()
+    item_key = torch.repeat_interleave(torch.arange(n_keys, device=idx.device), n_chunks,
+                                       output_size=n_items)
+    j = torch.arange(n_items, device=idx.device) - (n_chunks.cumsum(0) - n_chunks)[item_key]
+    start_i = ends[item_key] - counts[item_key] + j * chunk
+    end_i = torch.minimum(start_i + chunk, ends[item_key])
+    item_split = split[item_key]
+    slot = torch.where(item_split, item_split.cumsum(0) - 1, -1)
+    n_parts_first = torch.where(item_split & (j == 0), n_chunks[item_key], 0)
+    items = torch.stack([item_key, start_i, end_i, slot, n_parts_first], 1).to(torch.int32)
+    return tokens, items.contiguous(), n_parts

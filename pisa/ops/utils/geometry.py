@@ -1,0 +1,57 @@
+"""Pyramid geometry shared by every backend: level sizes and row offsets, forced blocks.
+
+Node ``i`` at level ``l`` (leaves are level 1) covers leaves ``[i * g**(l-1), (i+1) * g**(l-1))``;
+all levels live in one buffer, leaves first, level ``l`` at rows ``offsets[l-1]:offsets[l]``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype of the torch backends and the pyramid sums: fp64 for fp64 inputs (the
+    oracle tests), else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def level_sizes(n_leaves: int, branching: int) -> list[int]:
+    """Node counts per pyramid level, leaves first, ending at a single root."""
+    sizes = [max(n_leaves, 1)]
+    while sizes[-1] > 1:
+        sizes.append(cdiv(sizes[-1], branching))
+    return sizes
+
+
+def level_offsets(n_tokens: int, block_size: int, branching: int) -> tuple[int, ...]:
+    """Row offsets of each level in the one-buffer layout: ``len = n_levels + 1``."""
+    offsets = [0]
+    for n in level_sizes(cdiv(n_tokens, block_size), branching):
+        offsets.append(offsets[-1] + n)
+    return tuple(offsets)
+
+
+def forced_leaves(t_abs: int, block_size: int) -> list[int]:
+    """Forced leaf blocks of the query at absolute position ``t_abs``: sink, previous, current
+    (ascending, without duplicates)."""
+    cur = t_abs // block_size
+    return sorted({0, max(cur - 1, 0), cur})
+
+
+def forced_leaves_tensor(t_abs: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``forced_leaves`` of positions ``t_abs [...]`` as ``[..., 3]`` (sink, previous, current),
+    duplicates as -1."""
+    cur = t_abs // block_size
+    prev = (cur - 1).clamp_min(0)
+    sink = torch.zeros_like(cur)
+    prev = torch.where(prev == sink, -1, prev)
+    cur_u = torch.where((cur == sink) | (cur == prev), -1, cur)
+    return torch.stack([sink, prev, cur_u], dim=-1)
