@@ -1,5 +1,5 @@
 """Sparse attention over selected key blocks: the custom op ``pisa::sparse_attn``, its autograd
-and its dispatch to ``torch.attn_fwd_torch`` / ``triton.attn_fwd_triton`` (and their backwards);
+and its dispatch to ``torch_backend.attn_fwd_torch`` / ``triton.attn_fwd_triton`` (and their backwards);
 ``naive.naive_attn`` is the fp64 oracle.
 
 Both custom ops are opaque to torch.compile (data-dependent indexing, host syncs inside).
@@ -19,7 +19,7 @@ def _attn_op(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: int
     if backend == "triton":
         from .triton import attn_fwd_triton
         return attn_fwd_triton(q, k, v, block_idx, block_size, scale)
-    from .torch import attn_fwd_torch
+    from .torch_backend import attn_fwd_torch
     return attn_fwd_torch(q, k, v, block_idx, block_size, scale)
 
 
@@ -39,7 +39,7 @@ def _attn_bwd_op(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Te
         from .triton import attn_bwd_triton
         return attn_bwd_triton(do, dlse, q, k, v, o, lse, block_idx, block_size, scale,
                                deterministic)
-    from .torch import attn_bwd_torch
+    from .torch_backend import attn_bwd_torch
     return attn_bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale)
 
 

@@ -1,5 +1,5 @@
 """Attention of new queries against a KV cache (layout of ``kvcache``): one decode step
-(``decode_step``: the fused Triton kernel ``triton.decode_triton`` or ``torch.decode_torch``) and
+(``decode_step``: the fused Triton kernel ``triton.decode_triton`` or ``torch_backend.decode_torch``) and
 chunked prefill (``prefill_with_cache``: the training selection, on the pyramid taken from the
 cache's sums, and the sparse attention kernels).
 """
@@ -40,7 +40,7 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if backend == "triton" and cfg.selector == "pyramid" and cfg.scorer == "lse":
         from .triton import decode_triton
         return decode_triton(q, k_cache, v_cache, sums, cache_seqlens, cfg)
-    from .torch import decode_torch
+    from .torch_backend import decode_torch
     return decode_torch(q, k_cache, v_cache, sums, cache_seqlens, cfg)
 
 

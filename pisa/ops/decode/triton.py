@@ -1,7 +1,7 @@
 """Fused Triton decode step: pyramid walk on the cache's key sums, exact leaf ranking and sparse
 attention over the selected blocks, for a batch of sequences of different lengths.
 
-Semantics are those of ``torch.decode_torch``: the query of sequence ``b`` sits at position
+Semantics are those of ``torch_backend.decode_torch``: the query of sequence ``b`` sits at position
 ``t = cache_seqlens[b] - 1`` (its own key already appended) and the result equals row ``t`` of
 prefill (``pisa_select`` + sparse attention) over the sequence's first ``t + 1`` keys.
 

@@ -6,7 +6,7 @@ then level 2, ... up to the single root; level ``l`` occupies rows ``offsets[l-1
 each node (the ragged tail makes the last node of each level smaller). Sums are
 ``means * counts``; the decode cache keeps sums instead (``decode.kvcache``).
 
-Implementations: ``naive.naive_pyramid`` (fp64 loops, the oracle), ``torch.build_pyramid_torch``,
+Implementations: ``naive.naive_pyramid`` (fp64 loops, the oracle), ``torch_backend.build_pyramid_torch``,
 ``triton.build_pyramid_triton``; ``build_pyramid`` dispatches on a resolved backend.
 """
 from __future__ import annotations
@@ -37,5 +37,5 @@ def build_pyramid(k: torch.Tensor, block_size: int, branching: int, backend: str
     if backend == "triton":
         from .triton import build_pyramid_triton
         return build_pyramid_triton(k, block_size, branching)
-    from .torch import build_pyramid_torch
+    from .torch_backend import build_pyramid_torch
     return build_pyramid_torch(k, block_size, branching)

@@ -1,6 +1,6 @@
 """Block selection: the custom op ``pisa::select`` and its dispatch to the implementations.
 
-``naive.naive_select`` (fp64 loops, the oracle), ``torch.select_torch`` (vectorised PyTorch),
+``naive.naive_select`` (fp64 loops, the oracle), ``torch_backend.select_torch`` (vectorised PyTorch),
 ``triton.select_pyramid_triton`` (the pyramid walk) and ``flat.select_flat_triton`` (flat scans,
 and walks whose beam covers every block). A caller that already holds the pyramid of ``k`` (the
 decode cache's, in chunked prefill) passes it in; otherwise it is built here when needed.
@@ -50,7 +50,7 @@ def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[T
         from .naive import naive_select
         idx, cnt = naive_select(q.cpu(), k.cpu(), cfg)
         return idx.to(q.device), cnt.to(q.device)
-    from .torch import select_torch
+    from .torch_backend import select_torch
     return select_torch(q, k, cfg, pyramid)
 
 

@@ -1,6 +1,6 @@
 """One decode step in PyTorch (CPU and CUDA): the vectorised reference of the fused Triton kernel.
 
-The pyramid walk of ``select.torch`` runs on the cache's pyramid (geometry of ``T_max``) with a
+The pyramid walk of ``select.torch_backend`` runs on the cache's pyramid (geometry of ``T_max``) with a
 position per sequence, exact leaf scores are read from the cache, then softmax attention over the
 selected blocks. Why the ``T_max`` geometry walks like a prefill pyramid over ``seqlen`` keys:
 nodes that start after the query are dropped and the nodes holding it are forced (never ranked),
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..select.torch import finish_selection, flat_mean_scores, group_score, is_in, walk
+from ..select.torch_backend import finish_selection, flat_mean_scores, group_score, is_in, walk
 from ..utils.config import SelectConfig
 from ..utils.geometry import cdiv, compute_dtype, forced_leaves_tensor
 from .kvcache import pyramid_from_sums

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..pyramid import Pyramid
-from ..pyramid.torch import build_pyramid_torch
+from ..pyramid.torch_backend import build_pyramid_torch
 from ..utils.config import CHUNK_ELEMS, MAX_FORCED, PAIRS_PER_GROUP, SelectConfig
 from ..utils.csr import group_pairs
 from ..utils.geometry import cdiv, compute_dtype, forced_leaves_tensor
