@@ -321,12 +321,18 @@ def _groups(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
     return G, pow2(G)
 
 
+def _token_tiles(q, k, block_idx, rows: int):
+    """The query-tile plan of the forward and dQ kernels for tiles of about ``rows`` rows:
+    ``(G, GP, BT, union, bits, count)`` (``_tile_union`` of ``BT``-token tiles)."""
+    G, GP = _groups(q, k)
+    BT = _tile_tokens(rows, GP)
+    return (G, GP, BT) + _tile_union(block_idx, BT)
+
+
 def _attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
-    G, GP = _groups(q, k)
-    BT = _tile_tokens(cfg.fwd_rows, GP)
-    union, bits, count = _tile_union(block_idx, BT)
+    G, GP, BT, union, bits, count = _token_tiles(q, k, block_idx, cfg.fwd_rows)
     o = empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
     lse = empty(B, HQ, Tq, dtype=torch.float32, device=q.device)
     n_tiles = count.shape[1]
@@ -353,9 +359,7 @@ def _delta(o, do, dlse):
 def _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg: KernelConfig):
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
-    G, GP = _groups(q, k)
-    BT = _tile_tokens(cfg.dq_rows, GP)
-    union, bits, count = _tile_union(block_idx, BT)
+    G, GP, BT, union, bits, count = _token_tiles(q, k, block_idx, cfg.dq_rows)
     dq = empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
     n_tiles = count.shape[1]
     _dq_kernel[(n_tiles, B * HKV)](

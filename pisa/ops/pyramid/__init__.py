@@ -11,25 +11,11 @@ Implementations: ``naive.naive_pyramid`` (fp64 loops, the oracle), ``torch_backe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..utils.geometry import Pyramid
 
-@dataclass(frozen=True)
-class Pyramid:
-    means: torch.Tensor   # [B, N_total, HKV, D] fp32 (fp64 from fp64 keys in the torch build)
-    counts: torch.Tensor  # [N_total] int32
-    offsets: tuple[int, ...]  # len = n_levels + 1; level l (1-based) is [offsets[l-1], offsets[l])
-
-    @property
-    def n_levels(self) -> int:
-        return len(self.offsets) - 1
-
-    def level(self, lvl: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(means [B, N_l, HKV, D], counts [N_l])`` of 1-based level ``lvl``."""
-        lo, hi = self.offsets[lvl - 1], self.offsets[lvl]
-        return self.means[:, lo:hi], self.counts[lo:hi]
+__all__ = ["Pyramid", "build_pyramid"]
 
 
 def build_pyramid(k: torch.Tensor, block_size: int, branching: int, backend: str) -> Pyramid:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..utils.geometry import cdiv, compute_dtype, level_offsets
-from . import Pyramid
+from ..utils.geometry import Pyramid, cdiv, compute_dtype, level_offsets
 
 
 def _pool(x: torch.Tensor, n_in: int, group: int) -> torch.Tensor:

@@ -11,9 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils.geometry import cdiv, level_offsets, pow2
+from ..utils.geometry import Pyramid, cdiv, level_offsets, pow2
 from ..utils.op import device_offsets
-from . import Pyramid
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ all levels live in one buffer, leaves first, level ``l`` at rows ``offsets[l-1]:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -55,3 +57,21 @@ def forced_leaves_tensor(t_abs: torch.Tensor, block_size: int) -> torch.Tensor:
     prev = torch.where(prev == sink, -1, prev)
     cur_u = torch.where((cur == sink) | (cur == prev), -1, cur)
     return torch.stack([sink, prev, cur_u], dim=-1)
+
+
+@dataclass(frozen=True)
+class Pyramid:
+    """The key pyramid of ``pisa.ops.pyramid``: every node's mean key and key count."""
+
+    means: torch.Tensor   # [B, N_total, HKV, D] fp32 (fp64 from fp64 keys in the torch build)
+    counts: torch.Tensor  # [N_total] int32
+    offsets: tuple[int, ...]  # len = n_levels + 1; level l (1-based) is [offsets[l-1], offsets[l])
+
+    @property
+    def n_levels(self) -> int:
+        return len(self.offsets) - 1
+
+    def level(self, lvl: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(means [B, N_l, HKV, D], counts [N_l])`` of 1-based level ``lvl``."""
+        lo, hi = self.offsets[lvl - 1], self.offsets[lvl]
+        return self.means[:, lo:hi], self.counts[lo:hi]
