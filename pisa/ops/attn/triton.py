@@ -238,9 +238,9 @@ def _reduce_parts_kernel(dk, dv, part_k, part_v, items, T_K, HKV, N_BLOCKS,
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch knobs. A tile's rows are (query token, GQA head) pairs: ``rows // G`` tokens per tile
-    (a power of two, at least one and at least 16 rows), so ``fwd_rows=16`` with ``G=16`` is the
-    per-token kernel and ``fwd_rows=128`` tiles 8 tokens."""
+    """Launch knobs (the defaults are the measured best on the H200). A tile's rows are (query
+    token, GQA head) pairs: about ``rows // G`` tokens per tile (``_tile_tokens``: a power of two,
+    at least 2 tokens and 16 rows), so ``fwd_rows=128`` with ``G=16`` tiles 8 tokens."""
 
     fwd_rows: int = 64
     fwd_warps: int = 4
@@ -267,7 +267,7 @@ def _tile_tokens(rows: int, gp: int) -> int:
     tl.dot needs, and at least 2 tokens: compiled single-token tiles gave wrong outputs (rel. err
     0.9 at G=16, bf16) and an illegal address at 64K tokens on the H200 with triton 3.6, under
     every warps/stages setting tried, while 2-token tiles were right and as fast
-    (``docs/design.md``, "Triton attention tiles")."""
+    (``docs/design.md``, "Triton tile minimum")."""
     return min(pow2(max(rows // gp, cdiv(16, gp), 2)), _MAX_TILE_TOKENS)
 
 

@@ -71,7 +71,7 @@ _HEAD_DIMS = (16, 32, 64, 128)
 _BRANCHINGS = (2, 4)
 _MAX_GROUP = 64  # query heads per KV head: the rows of every tile
 # Query rows per tile (the GQA group, zero-padded). 16-row tiles whose product feeds a second dot
-# gave wrong results on the H200 with triton 3.6 in the attention kernel (docs/results_h200.md);
+# gave wrong results on the H200 with triton 3.6 in the attention kernel (docs/design.md, "Triton tile minimum");
 # 32 rows were right there, and a decode step is bound by latency, not by these tiny products.
 _MIN_ROWS = 32
 # Every split repeats the walk and the leaf ranking and attends to K / SPLITS blocks. On the H200
