@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import PisaAttention
+from ..ops.utils.config import SelectConfig
 from .tasks import VOCAB_SIZE
 
 # arm -> the selector ``pisa_attn`` runs (dense attends to every causal key with SDPA)
@@ -37,8 +38,8 @@ class GPTConfig:
     mlp_hidden: int = 768
     rope_theta: float = 10000.0
     arm: str = "dense"
-    topk: int = 16
-    block_size: int = 64
+    topk: int = SelectConfig.topk
+    block_size: int = SelectConfig.block_size
     beam: int | None = None
     backend: str = "auto"
 

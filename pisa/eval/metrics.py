@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..api import pisa_attn, pisa_select
-from ..ops.utils.config import CHUNK_ELEMS
+from ..ops.utils.config import CHUNK_ELEMS, SelectConfig, default_scale
 
 
 def _forced_mask(block_idx: torch.Tensor, n_keys: int, block_size: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ def captured_mass(q: torch.Tensor, k: torch.Tensor, block_idx: torch.Tensor, blo
                   backend: str = "auto") -> float:
     """Mean over (batch, head, token) of the share of the true causal softmax mass that falls in
     the selected blocks: ``exp(lse_selected - lse_all)``. Pass ``full_lse`` to reuse it."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     if full_lse is None:
         full_lse = dense_lse(q, k, scale)
     _, lse = pisa_attn(q, k, k, block_size=block_size, scale=scale, block_idx=block_idx,
@@ -84,8 +84,8 @@ class SelectionScorer:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, backend: str = "auto", **knobs):
         self.q, self.k, self.backend = q, k, backend
-        self.block_size = knobs.get("block_size", 64)
-        self.scale = knobs.pop("scale", None) or q.shape[-1] ** -0.5
+        self.block_size = knobs.get("block_size", SelectConfig.block_size)
+        self.scale = knobs.pop("scale", None) or default_scale(q.shape[-1])
         self.knobs = knobs
         self.full = dense_lse(q, k, self.scale)
         self.oracle = self.select("flat_lse")

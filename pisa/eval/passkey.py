@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..ops.utils.config import SelectConfig
 from .gpt import ARMS
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -42,8 +43,8 @@ class PasskeyConfig:
     depths: list[float] = field(default_factory=lambda: [0.5])
     samples: int = 1                   # passkeys per (length, depth); documents per length for LM
     arms: list[str] = field(default_factory=lambda: ["dense", "pisa", "flat_mean"])
-    topk: int = 16
-    block_size: int = 64
+    topk: int = SelectConfig.topk
+    block_size: int = SelectConfig.block_size
     beam: int | None = None
     backend: str = "auto"
     new_tokens: int = 8

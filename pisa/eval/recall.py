@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.utils.config import CHUNK_ELEMS
+from ..ops.utils.config import CHUNK_ELEMS, SelectConfig
 from ..ops.utils.geometry import cdiv
 from .metrics import SelectionScorer
 
@@ -33,9 +33,9 @@ class RecallConfig:
     lengths: list[int] = field(default_factory=lambda: [4096])
     layers: list[int] | None = None       # None: every layer
     samples: int = 1                      # documents per length
-    topk: int = 16
-    block_size: int = 64
-    branching: int = 2
+    topk: int = SelectConfig.topk
+    block_size: int = SelectConfig.block_size
+    branching: int = SelectConfig.branching
     beams: list[int] = field(default_factory=lambda: [1, 2, 4])  # W in multiples of K
     target: float = 0.95                  # recall the W search looks for
     backend: str = "auto"

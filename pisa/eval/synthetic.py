@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.utils.config import SelectConfig
 
-def structured_qkv(B: int, T: int, HQ: int, HKV: int, D: int, *, block_size: int = 64,
+
+def structured_qkv(B: int, T: int, HQ: int, HKV: int, D: int, *, block_size: int = SelectConfig.block_size,
                    targets: int = 4, strength: float = 1.0, carriers: int = 8,
                    dtype=torch.float32,
                    device="cpu", seed: int | None = None):

@@ -37,11 +37,14 @@ except ImportError as e:  # transformers 4 has no CacheLayerMixin
 
 from ..api import pisa_attn, pisa_attn_with_kvcache
 from ..cache import PisaCache
+from ..ops.utils.config import SelectConfig
 
 NAME = "pisa"
 # PISA knobs read from the model config as ``config.pisa_<name>`` (e.g. ``config.pisa_topk``).
-PISA_DEFAULTS = {"block_size": 64, "topk": 16, "branching": 2, "beam": None, "scorer": "lse",
-                 "selector": "pyramid", "forced_in_budget": True, "backend": "auto"}
+PISA_DEFAULTS = {"block_size": SelectConfig.block_size, "topk": SelectConfig.topk,
+                 "branching": SelectConfig.branching, "beam": None, "scorer": SelectConfig.scorer,
+                 "selector": SelectConfig.selector,
+                 "forced_in_budget": SelectConfig.forced_in_budget, "backend": "auto"}
 
 
 def pisa_knobs(config) -> dict:
@@ -129,7 +132,8 @@ class PisaCacheLayer(CacheLayerMixin):
     """One layer of ``PisaHFCache``: a ``pisa.PisaCache`` preallocated to ``max_cache_len`` keys,
     created at the first ``update`` (batch size, heads, dtype and device from the keys)."""
 
-    def __init__(self, max_cache_len: int, block_size: int = 64, branching: int = 2):
+    def __init__(self, max_cache_len: int, block_size: int = SelectConfig.block_size,
+                 branching: int = SelectConfig.branching):
         super().__init__()
         self.max_cache_len, self.block_size, self.branching = max_cache_len, block_size, branching
         self.pisa: PisaCache | None = None

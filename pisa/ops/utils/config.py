@@ -61,6 +61,11 @@ class SelectConfig:
         return astuple(self)
 
 
+def default_scale(head_dim: int) -> float:
+    """The softmax scale when none is given: ``head_dim ** -0.5``."""
+    return head_dim ** -0.5
+
+
 def check_geometry(block_size: int, branching: int, backend: str = "torch") -> None:
     """Check the pyramid geometry (leaf block size ``C``, branching factor ``g``) for a resolved
     ``backend`` (``"torch"``: the widest range, for objects made before a backend is known)."""
@@ -106,7 +111,7 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
     if not isinstance(beam, int) or beam < 1:
         raise ValueError(f"beam must be a positive int or None, got {beam!r}")
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        scale = default_scale(q.shape[-1])
     if selector == "auto":
         selector = "flat_lse" if k.shape[1] < AUTO_CROSSOVER_T else "pyramid"
     return SelectConfig(block_size, topk, branching, beam, scorer, selector,
