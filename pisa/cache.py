@@ -1,8 +1,9 @@
 """``PisaCache``: one layer's KV cache with its incrementally maintained key pyramid.
 
-Contiguous form (``pisa.ops.decode.kvcache`` describes the layout): ``k_cache, v_cache [B, T_max, HKV, D]``
-preallocated, ``sums [B, N_total, HKV, D]`` the pyramid's key sums, ``cache_seqlens [B]`` int32.
-The paged form servers use is described in ``docs/design.md`` ("Inference cache").
+Contiguous form (``pisa.ops.decode.kvcache`` describes the layout):
+``k_cache, v_cache [B, T_max, HKV, D]`` preallocated, ``sums [B, N_total, HKV, D]`` the pyramid's
+key sums, ``cache_seqlens [B]`` int32. The paged form servers use is described in ``docs/design.md``
+("Inference cache").
 """
 from __future__ import annotations
 

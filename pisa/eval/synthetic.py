@@ -12,7 +12,8 @@ import torch
 from ..ops.utils.config import SelectConfig
 
 
-def structured_qkv(B: int, T: int, HQ: int, HKV: int, D: int, *, block_size: int = SelectConfig.block_size,
+def structured_qkv(B: int, T: int, HQ: int, HKV: int, D: int, *,
+                   block_size: int = SelectConfig.block_size,
                    targets: int = 4, strength: float = 1.0, carriers: int = 8,
                    dtype=torch.float32,
                    device="cpu", seed: int | None = None):

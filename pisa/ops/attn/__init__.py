@@ -1,6 +1,6 @@
 """Sparse attention over selected key blocks: the custom op ``pisa::sparse_attn``, its autograd
-and its dispatch to ``torch_backend.attn_fwd_torch`` / ``triton.attn_fwd_triton`` (and their backwards);
-``naive.naive_attn`` is the fp64 oracle.
+and its dispatch to ``torch_backend.attn_fwd_torch`` / ``triton.attn_fwd_triton`` (and their
+backwards); ``naive.naive_attn`` is the fp64 oracle.
 
 Both custom ops are opaque to torch.compile (data-dependent indexing, host syncs inside).
 """

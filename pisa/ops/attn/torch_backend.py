@@ -1,9 +1,9 @@
 """Sparse attention over selected key blocks, vectorised PyTorch (CPU and CUDA).
 
 The torch backend regroups the (query, selected block) pairs of a chunk of queries by block
-(``utils.csr.group_pairs``): each group of up to ``PAIRS_PER_GROUP`` queries reads its block's keys and
-values once and computes a partial softmax (max, sum, unnormalised output) with batched matmuls; the
-partials of a query's blocks are then merged (as flash-decoding merges splits). The backward
+(``utils.csr.group_pairs``): each group of up to ``PAIRS_PER_GROUP`` queries reads its block's keys
+and values once and computes a partial softmax (max, sum, unnormalised output) with batched matmuls;
+the partials of a query's blocks are then merged (as flash-decoding merges splits). The backward
 recomputes probabilities from the saved LSE (as FlashAttention does) in the same grouped layout, so
 dK/dV accumulate per block. Memory is O(chunk · S · G · (C + D)); no ``[T, T]`` or ``[T, N/C]``.
 """

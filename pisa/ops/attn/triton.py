@@ -82,8 +82,8 @@ def _tile_setup(q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV
     o_head = i_h * G + o_hh
     b_q = load_rows(q + i_b * s_qb, o_tok.to(tl.int64) * s_qt + o_head * s_qh, m_row, D)
     i_list = i_bh * N_TILES + i_t
-    return (i_b, o_tok, o_head, m_row, b_q, k + i_b * s_kb + i_h * s_kh, v + i_b * s_vb + i_h * s_vh,
-            T_K - T_Q + o_tok, i_list, i_list.to(tl.int64) * U)
+    return (i_b, o_tok, o_head, m_row, b_q, k + i_b * s_kb + i_h * s_kh,
+            v + i_b * s_vb + i_h * s_vh, T_K - T_Q + o_tok, i_list, i_list.to(tl.int64) * U)
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Attention of new queries against a KV cache (layout of ``kvcache``): one decode step
-(``decode_step``: the fused Triton kernel ``triton.decode_triton`` or ``torch_backend.decode_torch``) and
-chunked prefill (``prefill_with_cache``: the training selection, on the pyramid taken from the
-cache's sums, and the sparse attention kernels).
+(``decode_step``: the fused Triton kernel ``triton.decode_triton`` or
+``torch_backend.decode_torch``) and chunked prefill (``prefill_with_cache``: the training selection,
+on the pyramid taken from the cache's sums, and the sparse attention kernels).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         qb, k, v = q[rows], k_cache[rows, :s], v_cache[rows, :s]
         check_qk(qb, k, v)
         pyramid = None if backend == "naive" else pyramid_from_sums(sums[rows], s, cfg.block_size,
-                                                                     cfg.branching)
+                                                                    cfg.branching)
         block_idx, _ = select(qb.detach(), k, cfg, backend, pyramid)
         o, lse = sparse_attn(qb, k, v, block_idx, cfg.block_size, cfg.scale, backend)
         outs.append(o)

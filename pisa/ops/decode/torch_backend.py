@@ -1,13 +1,13 @@
 """One decode step in PyTorch (CPU and CUDA): the vectorised reference of the fused Triton kernel.
 
-The pyramid walk of ``select.torch_backend`` runs on the cache's pyramid (geometry of ``T_max``) with a
-position per sequence, exact leaf scores are read from the cache, then softmax attention over the
-selected blocks. Why the ``T_max`` geometry walks like a prefill pyramid over ``seqlen`` keys:
-nodes that start after the query are dropped and the nodes holding it are forced (never ranked),
-so above the prefill root only node 0 is active. Every ranked node lies wholly before the query's
-block, so its children are full: their means ``sums / full count`` are exact, and the count
-weights of the scores equal those of the ``T_max`` geometry. Nodes holding the query or later keys
-are never scored, so their (partial) sums never matter.
+The pyramid walk of ``select.torch_backend`` runs on the cache's pyramid (geometry of ``T_max``)
+with a position per sequence, exact leaf scores are read from the cache, then softmax attention over
+the selected blocks. Why the ``T_max`` geometry walks like a prefill pyramid over ``seqlen`` keys:
+nodes that start after the query are dropped and the nodes holding it are forced (never ranked), so
+above the prefill root only node 0 is active. Every ranked node lies wholly before the query's
+block, so its children are full: their means ``sums / full count`` are exact, and the count weights
+of the scores equal those of the ``T_max`` geometry. Nodes holding the query or later keys are never
+scored, so their (partial) sums never matter.
 """
 from __future__ import annotations
 

@@ -71,8 +71,9 @@ _HEAD_DIMS = (16, 32, 64, 128)
 _BRANCHINGS = (2, 4)
 _MAX_GROUP = 64  # query heads per KV head: the rows of every tile
 # Query rows per tile (the GQA group, zero-padded). 16-row tiles whose product feeds a second dot
-# gave wrong results on the H200 with triton 3.6 in the attention kernel (docs/design.md, "Triton tile minimum");
-# 32 rows were right there, and a decode step is bound by latency, not by these tiny products.
+# gave wrong results on the H200 with triton 3.6 in the attention kernel (docs/design.md,
+# "Triton tile minimum"); 32 rows were right there, and a decode step is bound by latency, not by
+# these tiny products.
 _MIN_ROWS = 32
 # Every split repeats the walk and the leaf ranking and attends to K / SPLITS blocks. On the H200
 # (config A, B=1, 1M context, before the level skip and the pipelining) 16 splits (one block each)
@@ -220,7 +221,7 @@ def _decode_kernel(
         o_leaf = par * G_BR + o_c
         m_leaf = (kept | new_f) & (o_leaf >= 1) & (o_leaf <= cur - 2)
         b_sj = tl.sum(leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
-                                       1, ROWS, C, C, D, D, 0, F32_PREC), axis=0)  # [G_BR]
+                                      1, ROWS, C, C, D, D, 0, F32_PREC), axis=0)  # [G_BR]
         m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, G_BR]
         b_s = tl.where(tl.max(m_hit.to(tl.int32), axis=1) > 0,
                        tl.sum(tl.where(m_hit, b_sj[None, :], 0.), axis=1), b_s)

@@ -6,8 +6,9 @@ then level 2, ... up to the single root; level ``l`` occupies rows ``offsets[l-1
 each node (the ragged tail makes the last node of each level smaller). Sums are
 ``means * counts``; the decode cache keeps sums instead (``decode.kvcache``).
 
-Implementations: ``naive.naive_pyramid`` (fp64 loops, the oracle), ``torch_backend.build_pyramid_torch``,
-``triton.build_pyramid_triton``; ``build_pyramid`` dispatches on a resolved backend.
+Implementations: ``naive.naive_pyramid`` (fp64 loops, the oracle),
+``torch_backend.build_pyramid_torch``, ``triton.build_pyramid_triton``; ``build_pyramid`` dispatches
+on a resolved backend.
 """
 from __future__ import annotations
 

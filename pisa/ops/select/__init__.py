@@ -1,9 +1,9 @@
 """Block selection: the custom op ``pisa::select`` and its dispatch to the implementations.
 
-``naive.naive_select`` (fp64 loops, the oracle), ``torch_backend.select_torch`` (vectorised PyTorch),
-``triton.select_pyramid_triton`` (the pyramid walk) and ``flat.select_flat_triton`` (flat scans,
-and walks whose beam covers every block). A caller that already holds the pyramid of ``k`` (the
-decode cache's, in chunked prefill) passes it in; otherwise it is built here when needed.
+``naive.naive_select`` (fp64 loops, the oracle), ``torch_backend.select_torch`` (vectorised
+PyTorch), ``triton.select_pyramid_triton`` (the pyramid walk) and ``flat.select_flat_triton`` (flat
+scans, and walks whose beam covers every block). A caller that already holds the pyramid of ``k``
+(the decode cache's, in chunked prefill) passes it in; otherwise it is built here when needed.
 """
 from __future__ import annotations
 

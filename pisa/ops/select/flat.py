@@ -69,7 +69,7 @@ def _flat_select_kernel(
                 b_z = tl.reshape(dot_nt(b_q, b_k, F32_PREC) * scale, [BT * GP, LB, C])
                 # Every key counts: free blocks are complete and in the past.
                 b_sj = token_sums(key_scores(b_z, o_c[None, None, :] < C, C, SCORER), m_row,
-                                   BT, GP)  # [BT, LB]
+                                  BT, GP)  # [BT, LB]
                 b_s3 = tl.reshape(b_s, [BT, NB // LB, LB])
                 b_s3 = tl.where((o_j == j)[None, :, None], b_sj[:, None, :], b_s3)
                 b_s = tl.reshape(b_s3, [BT, NB])

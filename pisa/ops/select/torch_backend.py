@@ -35,7 +35,7 @@ def _logsumexp(z: torch.Tensor) -> torch.Tensor:
 
 
 def group_score(z: torch.Tensor, weight: torch.Tensor, scorer: str,
-                 unit_weight: bool = False) -> torch.Tensor:
+                unit_weight: bool = False) -> torch.Tensor:
     """Reduce child logits ``z [..., G, R]`` with child counts ``weight [..., 1, R]`` (0 = absent)
     to the GQA group score ``[...]`` (sum over the G heads of the per-head score). Consumes ``z``.
     ``unit_weight`` says every weight is 1 (a leaf's keys)."""

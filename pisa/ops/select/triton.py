@@ -51,11 +51,9 @@ LEAF_CHUNK = 4096
 # ------------------------------------------------------------------------------------------------
 
 
-
-
 @triton.jit
 def leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C: tl.constexpr, CP: tl.constexpr, DP: tl.constexpr,
-               D: tl.constexpr):
+              D: tl.constexpr):
     """The keys ``[L * CP, DP]`` of the full leaf blocks ``o_leaf [L]`` (``CP > C`` pads with zero
     rows, for 16-column dots). Leaves outside ``m_leaf`` are not loaded (zeros)."""
     L: tl.constexpr = o_leaf.shape[0]
@@ -69,7 +67,7 @@ def leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C: tl.constexpr, CP: tl.constexpr, DP:
 
 @triton.jit
 def leaf_scores(b_q, m_row, b_k, scale, BT: tl.constexpr, GP: tl.constexpr, C: tl.constexpr,
-                 CP: tl.constexpr, SCORER: tl.constexpr, F32_PREC: tl.constexpr):
+                CP: tl.constexpr, SCORER: tl.constexpr, F32_PREC: tl.constexpr):
     """Scores ``[BT, L]`` of the leaves whose keys ``leaf_keys`` loaded into ``b_k [L * CP, DP]``,
     for the ``BT`` tokens of the query rows ``b_q [BT * GP, DP]``: one dot, then per block and
     row ``key_scores``, summed over each token's heads."""
@@ -82,9 +80,9 @@ def leaf_scores(b_q, m_row, b_k, scale, BT: tl.constexpr, GP: tl.constexpr, C: t
 
 @triton.jit
 def leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
-                     BT: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-                     DP: tl.constexpr, D: tl.constexpr, SCORER: tl.constexpr,
-                     F32_PREC: tl.constexpr):
+                    BT: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+                    DP: tl.constexpr, D: tl.constexpr, SCORER: tl.constexpr,
+                    F32_PREC: tl.constexpr):
     """Exact scores ``[BT, L]`` of the full leaf blocks ``o_leaf [L]`` (siblings) for every token of
     the tile, from their keys: one ``[L * C, D]`` load and one dot against all ``BT * G`` query
     rows. Leaves outside ``m_leaf`` are not loaded and score garbage."""
@@ -106,7 +104,7 @@ def forced_parents(o_p, c0, c1, span):
 
 @triton.jit
 def candidates(b_rest, n_rest, c0, c1, span_up, G_BR: tl.constexpr, GBP: tl.constexpr,
-                WP: tl.constexpr):
+               WP: tl.constexpr):
     """Candidate nodes ``[2 * GBP * WP]`` of a level and which slots hold one: the children of the
     kept nodes ``b_rest`` of the level above (``span_up`` leaves per node) interleaved with the
     children of that level's forced nodes (``forced_parents``, ``GBP`` slots each)."""
@@ -211,9 +209,9 @@ def _child_logits(b_q, p, m_c, m_d, p_n, scale, LO: tl.constexpr, F32_PREC: tl.c
 
 @triton.jit
 def walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, c0, c1, t_last, scale,
-          C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr,
-          WP: tl.constexpr, SCORER: tl.constexpr, DP: tl.constexpr, D: tl.constexpr,
-          LO: tl.constexpr, F32_PREC: tl.constexpr):
+         C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr,
+         WP: tl.constexpr, SCORER: tl.constexpr, DP: tl.constexpr, D: tl.constexpr,
+         LO: tl.constexpr, F32_PREC: tl.constexpr):
     """The internal levels of the walk, from the root's children down to level 2, for the query
     rows ``b_q`` (``m_row``: the real ones) of a tile whose tokens lie in leaves ``c0..c1``
     (``t_last`` its last position). Returns ``b_rest [WP]``, the kept non-forced level-2 nodes
@@ -273,8 +271,6 @@ def walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, c0, c1, t_
 # ------------------------------------------------------------------------------------------------
 
 
-
-
 @triton.jit
 def _pyramid_walk_kernel(
         p_q, p_means, p_counts, p_off, p_key,
@@ -295,7 +291,7 @@ def _pyramid_walk_kernel(
     cur = t_abs // C
     p_mh = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh
     b_rest, n_rest = walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, cur, cur,
-                           t_abs, scale, C, G_BR, GBP, W, WP, SCORER, DP, D, LO, F32_PREC)
+                          t_abs, scale, C, G_BR, GBP, W, WP, SCORER, DP, D, LO, F32_PREC)
 
     base = ((i_b * HKV + i_h) * n_chunk + i_t // chunk).to(tl.int64) * n_par
     p_row = p_key + ((i_b * Tq + i_t) * HKV + i_h).to(tl.int64) * S
@@ -335,7 +331,7 @@ def _leaf_groups_kernel(
         # Leaves past the end (children of forced parents) are never free: skip their loads.
         m_leaf = (o_c < G_BR) & ((o_leaf + 1) * C <= Tk)
         b_k = leaf_keys(p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh, s_kt, o_leaf, m_leaf,
-                         C, CP, DP, D)  # [GBP * CP, DP]
+                        C, CP, DP, D)  # [GBP * CP, DP]
         o_g = tl.arange(0, GP)
         o_d = tl.arange(0, DP)
         p_qh = p_q + i_b.to(tl.int64) * s_qb + (i_h * G + o_g)[:, None] * s_qh + o_d[None, :]
@@ -349,7 +345,7 @@ def _leaf_groups_kernel(
                           mask=m_r[:, None, None] & m_qh[None, :, :], other=0.)  # [PB, GP, DP]
             m_row = tl.reshape(m_r[:, None] & (o_g < G)[None, :], [PB * GP])
             b_s = leaf_scores(tl.reshape(b_q, [PB * GP, DP]), m_row, b_k, scale, PB, GP, C, CP,
-                               SCORER, F32_PREC)  # [PB, GBP]
+                              SCORER, F32_PREC)  # [PB, GBP]
             tl.store(p_score + b_pair[:, None] * GBP + o_c[None, :], b_s,
                      mask=m_r[:, None] & (o_c < G_BR)[None, :])
 
@@ -447,8 +443,8 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts)
     # Sort keys (and group ids) must fit int32; the chunk count is a grid dimension (<= 65535).
     n_chunk = min(cdiv(Tq, LEAF_CHUNK), 65535, (2 ** 31 - 2) // (B * HKV * n_par))
     if n_chunk < 1:
-        raise ValueError(f"Triton pyramid selection supports B * HKV * (level-2 nodes) < 2**31, got "
-                         f"{B} * {HKV} * {n_par}")
+        raise ValueError(f"Triton pyramid selection supports B * HKV * (level-2 nodes) < 2**31, "
+                         f"got {B} * {HKV} * {n_par}")
     chunk = cdiv(Tq, n_chunk)
     n_chunk = cdiv(Tq, chunk)
     n_keys = B * HKV * n_chunk * n_par

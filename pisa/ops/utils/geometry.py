@@ -41,22 +41,20 @@ def level_offsets(n_tokens: int, block_size: int, branching: int) -> tuple[int, 
     return tuple(offsets)
 
 
-def forced_leaves(t_abs: int, block_size: int) -> list[int]:
-    """Forced leaf blocks of the query at absolute position ``t_abs``: sink, previous, current
-    (ascending, without duplicates)."""
-    cur = t_abs // block_size
-    return sorted({0, max(cur - 1, 0), cur})
-
-
 def forced_leaves_tensor(t_abs: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``forced_leaves`` of positions ``t_abs [...]`` as ``[..., 3]`` (sink, previous, current),
-    duplicates as -1."""
+    """Forced leaf blocks of the queries at absolute positions ``t_abs [...]``: ``[..., 3]``
+    (sink, previous, current: ascending), duplicates as -1."""
     cur = t_abs // block_size
     prev = (cur - 1).clamp_min(0)
     sink = torch.zeros_like(cur)
     prev = torch.where(prev == sink, -1, prev)
     cur_u = torch.where((cur == sink) | (cur == prev), -1, cur)
     return torch.stack([sink, prev, cur_u], dim=-1)
+
+
+def forced_leaves(t_abs: int, block_size: int) -> list[int]:
+    """``forced_leaves_tensor`` of one position, as an ascending list without duplicates."""
+    return [f for f in forced_leaves_tensor(torch.tensor(t_abs), block_size).tolist() if f >= 0]
 
 
 @dataclass(frozen=True)

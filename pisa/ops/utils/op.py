@@ -150,8 +150,8 @@ def device_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Tens
 
 @triton.jit
 def load_queries(p_q, i_b, i_h, t0, Tq, s_qb, s_qt, s_qh,
-                  G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
-                  DP: tl.constexpr):
+                 G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
+                 DP: tl.constexpr):
     """The tile's query rows ``[BT * GP, DP]`` (row ``i * GP + h``: head ``h`` of KV head ``i_h``'s
     group at token ``t0 + i``; padding heads / tokens / dims are zero) and which rows are real."""
     o_m = tl.arange(0, BT * GP)
