@@ -1,15 +1,22 @@
-"""Time the Triton sparse-attention kernels against dense cuDNN attention on one GPU.
+"""The sparse attention kernels alone, given a selection, against dense cuDNN attention on one GPU.
 
-    python benchmarks/attn_kernel.py --json benchmarks/results/attn_kernel.json
+    python benchmarks/attn_kernel.py --json benchmarks/results/attn_kernel_h200.json
 
-Config (defaults): B=1, HQ=64, HKV=4, D=128, block C=64, K=16 blocks per query, bf16.
-Selections are random but valid: forced blocks 0, cur-1, cur plus random past blocks, ascending,
--1 padded. ``--share 1`` draws the random blocks per token (no overlap between neighbours beyond the
-forced blocks: the worst case for token tiles); ``--share 64`` gives every aligned group of 64
-tokens the same random blocks (neighbours overlap, as in real models' selections).
+Times ``pisa_attn(q, k, v, block_idx=...)`` (Triton; the selection step skipped), forward and
+forward + backward, and dense causal attention (``common.dense_attention``: SDPA forced to cuDNN)
+on the same inputs. Config (defaults): B=1, HQ=64, HKV=4, D=128, block C=64, K=16 blocks per
+query, bf16. Selections are random but valid: forced blocks 0, cur-1, cur plus random past blocks,
+ascending, -1 padded. ``--share 1`` draws the random blocks per token (no overlap between
+neighbours beyond the forced blocks: the worst case for the kernels' token tiles); ``--share 64``
+gives every aligned group of 64 tokens the same random blocks (neighbours overlap, as in real
+models' selections).
 
-Effective TFLOP/s: forward counts 4 * HQ * D * (keys attended) per token, backward 2.5x that; the
-dense causal baseline is counted the same way (keys attended = its causal prefix).
+Effective TFLOP/s (``common.attn_tflops``): the forward counts 4 * HQ * D * (keys attended) per
+token, forward + backward 3.5x that; the dense causal baseline is counted the same way (keys
+attended = its causal prefix). Before timing, an accuracy check at T=2048: the bf16 kernels
+against the torch backend on fp32 copies (o, lse, dq, dk, dv), with the atomic and the
+deterministic backward, and the deterministic backward's bitwise repeatability (the JSON's
+``accuracy``).
 """
 from __future__ import annotations
 
@@ -19,15 +26,10 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pisa.ops.attn_triton import (  # noqa: E402
-    KernelConfig, _pow2, _tile_tokens, _tile_union, _transpose_selection, sparse_attn_triton)
-from pisa.bench import keys_attended  # noqa: E402
-from pisa.ops.attn import sparse_attn  # noqa: E402
-from pisa.ops.utils import cdiv  # noqa: E402
+from common import (DTYPE, Results, attn_tflops, dense_attention, dense_backend, fwd_bwd,
+                    keys_attended, pisa_backend, randn_qkv, result_row, shape, time_ms)
+from pisa import pisa_attn
 
 BIG = 1 << 30
 
@@ -40,7 +42,7 @@ def random_selection(B, T, H, C, K, share, seed=0, device="cuda"):
     n_draw = 4 * (K - 3)
 
     def per_group(shape):  # the same random numbers for every token of a group
-        x = torch.rand(B, cdiv(T, share), H, *shape, generator=g, device=device)
+        x = torch.rand(B, -(-T // share), H, *shape, generator=g, device=device)
         return x.repeat_interleave(share, 1)[:, :T]
 
     span = (cur - 2).clamp_min(0)[None, :, None, None]
@@ -59,163 +61,105 @@ def random_selection(B, T, H, C, K, share, seed=0, device="cuda"):
     return torch.where(idx >= BIG, -1, idx).to(torch.int32).contiguous()
 
 
-def fp32_reference(q, k, v, block_idx, C, scale):
-    """The torch backend on fp32 copies (tested against the fp64 oracle): o and lse."""
-    return sparse_attn(q.float(), k.float(), v.float(), block_idx, C, scale, "torch")
-
-
 def rel_err(x, ref):
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def check_accuracy(args, rows_list):
-    """bf16 kernel vs fp32 reference (o, lse, dq, dk, dv) for every tile size, atomic and
-    deterministic backward, and deterministic repeatability."""
-    T, HQ, HKV, D, C, K = 2048, args.hq, args.hkv, args.d, args.block, args.topk
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, T, h, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
-               for h in (HQ, HKV, HKV))
-    idx = random_selection(1, T, HKV, C, K, share=1)
-    do = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+def check_accuracy(args, backend: str) -> dict:
+    """bf16 kernels vs the torch backend on fp32 copies (o, lse, dq, dk, dv), atomic and
+    deterministic backward, and the deterministic backward's bitwise repeatability."""
+    T, C = 2048, args.block
+    q, k, v = randn_qkv(T, args.hq, args.hkv, args.d, seed=0, device=args.device, dtype=DTYPE,
+                        requires_grad=True)
+    idx = random_selection(1, T, args.hkv, C, args.topk, share=1, device=args.device)
+    do = torch.randn_like(q)
     ref_in = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    ro, rlse = fp32_reference(*ref_in, idx, C, D ** -0.5)
+    ro, rlse = pisa_attn(*ref_in, block_size=C, block_idx=idx, return_lse=True, backend="torch")
     rgrads = torch.autograd.grad(ro, ref_in, do.float())
     finite = torch.isfinite(rlse)
-    out, worst, repeat = {}, 0.0, True
-    for rows in rows_list:
-        cfg = make_config(args, rows)
-        for deterministic in (False, True):
-            o, lse = sparse_attn_triton(q, k, v, idx, C, None, deterministic, cfg)
-            grads = torch.autograd.grad(o, (q, k, v), do)
-            errs = {"o": rel_err(o, ro), "lse_max_abs": (lse - rlse)[finite].abs().max().item()}
-            errs.update({f"d{n}": rel_err(g, r) for n, g, r in zip("qkv", grads, rgrads)})
-            out[f"rows{rows}_{'deterministic' if deterministic else 'atomic'}"] = errs
-            worst = max(worst, *(errs[n] for n in ("o", "dq", "dk", "dv")))
-        o2, _ = sparse_attn_triton(q, k, v, idx, C, None, True, cfg)
-        grads2 = torch.autograd.grad(o2, (q, k, v), do)
-        repeat &= all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    out, worst = {}, 0.0
+    for deterministic in (False, True):
+        def run():
+            o, lse = pisa_attn(q, k, v, block_size=C, block_idx=idx, return_lse=True,
+                               deterministic=deterministic, backend=backend)
+            return o, lse, torch.autograd.grad(o, (q, k, v), do)
+        o, lse, grads = run()
+        errs = {"o": rel_err(o, ro), "lse_max_abs": (lse - rlse)[finite].abs().max().item()}
+        errs.update({f"d{n}": rel_err(g, r) for n, g, r in zip("qkv", grads, rgrads)})
+        out["deterministic" if deterministic else "atomic"] = errs
+        worst = max(worst, *(errs[n] for n in ("o", "dq", "dk", "dv")))
+    repeat = all(torch.equal(a, b) for a, b in zip(grads, run()[2]))  # deterministic again
     out.update(worst_rel_err=worst, bitwise_repeat=repeat, ok=bool(worst < 2e-2 and repeat))
     return out
-
-
-def bench(fn, grad_to_none=None):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
-                                   return_mode="median")
-
-
-def bench_sparse(q, k, v, idx, C, cfg, deterministic):
-    do = torch.randn_like(q)
-
-    def fwd():
-        with torch.no_grad():
-            sparse_attn_triton(q, k, v, idx, C, None, deterministic, cfg)
-
-    def fwd_bwd():
-        o, _ = sparse_attn_triton(q, k, v, idx, C, None, deterministic, cfg)
-        o.backward(do)
-
-    return bench(fwd), bench(fwd_bwd, [q, k, v])
-
-
-def bench_dense(q, k, v):
-    G = q.shape[2] // k.shape[2]
-    qt = q.detach().transpose(1, 2).requires_grad_()
-    kt, vt = (x.detach().repeat_interleave(G, 2).transpose(1, 2).requires_grad_() for x in (k, v))
-    do = torch.randn_like(qt)
-
-    def fwd():
-        with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-
-    def fwd_bwd():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-        o.backward(do)
-
-    return bench(fwd), bench(fwd_bwd, [qt, kt, vt])
-
-
-def make_config(args, rows):
-    return KernelConfig(fwd_rows=rows, fwd_warps=4 if rows <= 64 else 8,
-                        fwd_stages=args.stages, dq_rows=rows, dq_warps=4 if rows <= 64 else 8,
-                        dq_stages=args.stages, dkv_rows=args.dkv_rows, dkv_warps=args.dkv_warps,
-                        dkv_stages=args.stages, dkv_chunk=args.dkv_chunk)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqlens", default="16384,65536,131072")
-    ap.add_argument("--rows", default="16,64,128",
-                    help="rows (query tokens x G) per forward/dQ tile to sweep; 16 = per token")
     ap.add_argument("--share", default="1,64", help="tokens sharing random picks (see docstring)")
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--dkv-rows", type=int, default=64)
-    ap.add_argument("--dkv-warps", type=int, default=8)
-    ap.add_argument("--dkv-chunk", type=int, default=512)
     ap.add_argument("--deterministic", action="store_true", help="time the deterministic bwd")
     ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda (Triton backend) or cpu (torch)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    rows_list = [int(x) for x in args.rows.split(",")]
-    dev = torch.cuda.get_device_name()
-    print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-
-    acc = check_accuracy(args, rows_list)
-    print(f"# accuracy vs fp32 (T=2048): {json.dumps(acc)}", flush=True)
-
+    dev = args.device
+    backend = pisa_backend(dev)
     HQ, HKV, D, C, K = args.hq, args.hkv, args.d, args.block, args.topk
-    G = HQ // HKV
-    results = []
-    for T in (int(x) for x in args.seqlens.split(",")):
-        torch.manual_seed(T)
-        q, k, v = (torch.randn(1, T, h, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
-                   for h in (HQ, HKV, HKV))
-        dense = {}
-        if not args.no_dense:
-            fwd, fb = bench_dense(q, k, v)
-            flops = 4 * HQ * D * T * (T + 1) / 2
-            dense = {"dense_fwd_ms": fwd, "dense_fwd_tflops": flops / fwd * 1e-9,
-                     "dense_fwdbwd_ms": fb, "dense_fwdbwd_tflops": 3.5 * flops / fb * 1e-9}
-            print(f"T={T} dense cuDNN: {json.dumps(dense)}", flush=True)
-        for share in (int(x) for x in args.share.split(",")):
-            idx = random_selection(1, T, HKV, C, K, share, seed=T + share)
-            flops = 4 * D * HQ * T * keys_attended(idx, T, C)
-            for rows in rows_list:
-                cfg = make_config(args, rows)
-                fwd, fb = bench_sparse(q, k, v, idx, C, cfg, args.deterministic)
-                tokens = _tile_tokens(rows, _pow2(G))
-                prep = bench(lambda: (_tile_union(idx, tokens), _tile_union(idx, tokens),
-                                      _transpose_selection(idx, cdiv(T, C), cfg.dkv_chunk)))
-                row = {"T": T, "share": share, "rows": rows, "fwd_ms": fwd,
-                       "fwd_tflops": flops / fwd * 1e-9, "fwdbwd_ms": fb,
-                       "fwdbwd_tflops": 3.5 * flops / fb * 1e-9, "prep_ms": prep,
-                       "keys_per_token": flops / (4 * D * HQ * T),
-                       "deterministic": args.deterministic, **dense}
-                results.append(row)
-                print(json.dumps(row), flush=True)
-        del q, k, v
-        torch.cuda.empty_cache()
+    acc = check_accuracy(args, backend)
+    print(f"# accuracy vs fp32 (T=2048): {json.dumps(acc)}", file=sys.stderr, flush=True)
+    out = Results(args.json, dev)
+    cols = shape(HQ, HKV, D, K=K, C=C, W=None)
 
-    nan = float("nan")
-    print("\n     T share rows |  fwd ms  TF/s | f+b ms  TF/s | prep ms | dense fwd  TF/s | "
-          "dense f+b  TF/s")
-    for r in results:
-        print(f"{r['T']:>6} {r['share']:>5} {r['rows']:>4} | {r['fwd_ms']:7.2f} "
-              f"{r['fwd_tflops']:5.0f} | {r['fwdbwd_ms']:6.1f} {r['fwdbwd_tflops']:5.0f} | "
-              f"{r['prep_ms']:7.2f} | {r.get('dense_fwd_ms', nan):9.1f} "
-              f"{r.get('dense_fwd_tflops', nan):5.0f} | {r.get('dense_fwdbwd_ms', nan):9.1f} "
-              f"{r.get('dense_fwdbwd_tflops', nan):5.0f}")
-    print(f"accuracy ok: {acc['ok']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"device": dev, "accuracy": acc, "results": results,
-                                         "args": {k: str(v) for k, v in vars(args).items()}},
-                                        indent=1))
+    def time_pair(fwd, leaves, do):
+        """(forward ms, forward + backward ms) of ``fwd``."""
+        with torch.no_grad():
+            ms_f = time_ms(fwd, dev)
+        return ms_f, time_ms(fwd_bwd(fwd, do, leaves), dev)
+
+    for T in (int(x) for x in args.seqlens.split(",")):
+        q, k, v = randn_qkv(T, HQ, HKV, D, seed=T, device=dev, dtype=DTYPE, requires_grad=True)
+        do = torch.randn_like(q)
+        if not args.no_dense:
+            dq, dk, dv = (x.detach().requires_grad_() for x in (q, k, v))
+            fwd, fb = time_pair(dense_attention(dq, dk, dv, dev), (dq, dk, dv),
+                                do.transpose(1, 2))
+            keys = (T + 1) / 2
+            for op, ms, passes in (("attn_fwd", fwd, 1.0), ("attn_fwdbwd", fb, 3.5)):
+                out.add(result_row(op, "dense", dense_backend(dev), T=T, ms=ms, **cols,
+                                   keys_per_token=keys,
+                                   tflops=attn_tflops(ms, T, keys, HQ, D, passes)))
+            del dq, dk, dv
+        for share in (int(x) for x in args.share.split(",")):
+            idx = random_selection(1, T, HKV, C, K, share, seed=T + share, device=dev)
+            keys = keys_attended(idx, T, C)
+            fwd, fb = time_pair(
+                lambda: pisa_attn(q, k, v, block_size=C, block_idx=idx,
+                                  deterministic=args.deterministic, backend=backend),
+                (q, k, v), do)
+            for op, ms, passes in (("attn_fwd", fwd, 1.0), ("attn_fwdbwd", fb, 3.5)):
+                out.add(result_row(op, "pisa_kernel", backend, T=T, ms=ms, **cols, share=share,
+                                   deterministic=args.deterministic, keys_per_token=keys,
+                                   tflops=attn_tflops(ms, T, keys, HQ, D, passes)))
+        q = k = v = idx = None  # free this length's tensors
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+        out.save(accuracy=acc)
+
+    print("\n|      T | impl        | share | fwd ms | TF/s | f+b ms | TF/s |\n"
+          "|---|---|---|---|---|---|---|", file=sys.stderr)
+    by = {}
+    for r in out.rows:
+        by.setdefault((r["T"], r["impl"], r.get("share")), {})[r["op"]] = r
+    for (T, impl, share), d in by.items():
+        f, fb = d["attn_fwd"], d["attn_fwdbwd"]
+        print(f"| {T:>6} | {impl:<11} | {share or '-':>5} | {f['ms']:6.2f} | {f['tflops']:4.0f} | "
+              f"{fb['ms']:6.1f} | {fb['tflops']:4.0f} |", file=sys.stderr)
+    print(f"accuracy ok: {acc['ok']}", file=sys.stderr)
 
 
 if __name__ == "__main__":

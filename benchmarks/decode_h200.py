@@ -5,85 +5,53 @@ same KV cache, plus the prefill of a long prompt (issue 4's benchmark).
     python benchmarks/decode_h200.py --quick  # 32K and 1M, batch 1 and 16, the sweep
 
 Config A (PISA_SPEC.md §10): bf16, HQ=64, HKV=4, D=128, C=64, K=16, W=16, g=2; batch 1 and 16;
-contexts 32K, 64K, ..., 1M. Each cache is filled to its full length with random keys and values
-(pyramid sums from the Triton pyramid build), one random query per sequence.
+contexts 32K, 64K, ..., 1M. Each ``PisaCache`` is filled to its full length with random keys and
+values (pyramid sums from the Triton pyramid build), one random query per sequence.
 
-Timing. ``ms``: one step captured in a CUDA graph, replayed ``--reps`` times with the L2 cache
-flushed before each replay (in a model the other layers evict this layer's cache between steps),
-median of CUDA events around each replay. ``warm_ms``: ``triton.testing.do_bench_cudagraph``
-(the step unrolled in a graph, back to back, L2 warm), for comparison with figures measured that
-way (the dense anchors of PISA_SPEC.md §10).
+Timing (``benchmarks/common.py``). ``ms``: one step captured in a CUDA graph, its replays timed by
+``time_ms`` (do_bench: the L2 cache flushed before each replay, as in a model whose other layers
+evict this layer's cache between steps; median of CUDA events). ``warm_ms``:
+``triton.testing.do_bench_cudagraph`` (the step unrolled in a graph, back to back, L2 warm), for
+comparison with figures measured that way (the dense anchors of PISA_SPEC.md §10).
 
-Rows (``pisa/bench.py`` schema; ``splits``, ``num_warps``, ``num_stages``, ``warm_ms``,
+Rows (``pisa.results`` schema; ``splits``, ``num_warps``, ``num_stages``, ``warm_ms``,
 ``best_of`` are extra columns; ``None`` is the default):
-- ``decode/pisa``: ``decode_triton`` with its default split count, warps and stages;
-  ``decode/pisa_sweep`` (batch 1, ``--sweep-lengths``): the same step varying one knob at a time
-  from the defaults, each split count of ``--splits``, each ``--warps``, each ``--stages``.
-- ``decode/pisa_append_kv``: ``append_kv`` of one token per sequence, the cache write of a step
-  (not in the decode rows: the dense rows leave their cache write out too).
+- ``decode/pisa``: ``pisa_attn_with_kvcache`` (one query per sequence, no append: the fused
+  kernel ``decode_triton`` with its default split count, warps and stages);
+  ``decode/pisa_sweep`` (batch 1, ``--sweep-lengths``): ``decode_triton`` varying one knob at a
+  time from the defaults, each split count of ``--splits``, each ``--warps``, each ``--stages``.
+- ``decode/pisa_append_kv``: ``kvcache.write_kv`` of one token per sequence, the cache write of a
+  step (not in the decode rows: the dense rows leave their cache write out too).
 - ``decode/sdpa_<backend>_<gqa>``: SDPA over every key of the same cache (read in place as a
   ``[B, HKV, T, D]`` view) with the FLASH, EFFICIENT and CUDNN backends; GQA either folded into the
-  query length (``fold``: the G query heads of a KV head as G query tokens, no repeated K/V) or
-  through ``enable_gqa=True`` (``gqa``). Variants that fail are skipped. ``decode/dense`` repeats
-  the fastest of them (named in ``best_of``).
+  query length (``fold``: ``dense_decode``, the G query heads of a KV head as G query tokens, no
+  repeated K/V) or through ``enable_gqa=True`` (``gqa``). Variants that fail are skipped.
+  ``decode/dense`` repeats the fastest of them (named in ``best_of``).
 - ``fwd/pisa`` and ``fwd/dense``: prefill of a ``--prefill-len`` prompt (batch 1), ``pisa_attn``
   (Triton) against dense causal SDPA forced to cuDNN.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import (C, D, DTYPE, G_BR, HKV, HQ, K, W, Results, dense_attention,
+                    dense_decode, graph_ms, graph_warm_ms, peak_gb, randn_qkv, reset_peak,
+                    result_row, shape, time_ms)
+from pisa import PisaCache, pisa_attn, pisa_attn_with_kvcache
+from pisa.ops.decode.kvcache import write_kv
+from pisa.ops.decode.triton import decode_triton, default_num_splits
+from pisa.ops.pyramid import build_pyramid
+from pisa.ops.utils.config import SelectConfig
 
-from pisa import pisa_attn  # noqa: E402
-from pisa.bench import (dense_attention, dense_decode, meta, peak_gb, reset_peak,  # noqa: E402
-                        result_row, time_ms)
-from pisa.ops.decode_triton import decode_triton, default_num_splits  # noqa: E402
-from pisa.ops.kvcache import append_kv  # noqa: E402
-from pisa.ops.select_triton import build_pyramid_triton  # noqa: E402
-from pisa.ops.utils import SelectConfig  # noqa: E402
-
-HQ, HKV, D, C, K, W, G_BR = 64, 4, 128, 64, 16, 16, 2
-DTYPE = torch.bfloat16
 # Targets of issue 4 (H200): batch 1 at 1M <= 0.12 ms and <= 1.5x its 32K time; batch 16 at 1M
 # >= 20x faster than the fastest dense decode.
 TARGET_B1_MS, TARGET_B1_RATIO, TARGET_B16_SPEEDUP = 0.12, 1.5, 20.0
-
-
-def graph_ms(fn, reps: int, flush: torch.Tensor) -> float:
-    """Median ms of ``reps`` replays of a CUDA graph holding one call of ``fn``, the L2 cache
-    flushed (``flush`` zeroed, untimed) before each replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def warm_ms(fn) -> float:
-    return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
 
 
 def sdpa_variants(q, k_cache, v_cache):
@@ -96,53 +64,57 @@ def sdpa_variants(q, k_cache, v_cache):
                           ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         out[f"sdpa_{name}_fold"] = dense_decode(q, k_cache, v_cache, backend)
 
-        def gqa(backend=backend):
+        def gqa(backend=backend):  # pisa.bench.dense_decode has no enable_gqa form
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
         out[f"sdpa_{name}_gqa"] = gqa
     return out
 
 
-def filled_cache(B: int, T: int, seed: int):
-    """A full cache of ``T`` random keys/values per sequence, its pyramid sums and lengths."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    k_cache = torch.randn(B, T, HKV, D, device="cuda", dtype=DTYPE, generator=gen)
-    v_cache = torch.randn(B, T, HKV, D, device="cuda", dtype=DTYPE, generator=gen)
-    pyramid = build_pyramid_triton(k_cache, C, G_BR)
-    sums = pyramid.means.mul_(pyramid.counts[None, :, None, None])
-    lens = torch.full((B,), T, device="cuda", dtype=torch.int32)
-    q = torch.randn(B, 1, HQ, D, device="cuda", dtype=DTYPE, generator=gen)
-    return q, k_cache, v_cache, sums, lens
+def filled_cache(B: int, T: int, seed: int, device: str = "cuda"):
+    """A ``PisaCache`` holding ``T`` random keys/values per sequence (its sums from the pyramid
+    build) and one random query per sequence."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = PisaCache(B, T, HKV, D, block_size=C, branching=G_BR, dtype=DTYPE, device=device)
+    cache.k_cache.normal_(generator=gen)
+    cache.v_cache.normal_(generator=gen)
+    pyramid = build_pyramid(cache.k_cache, C, G_BR, "triton" if device == "cuda" else "torch")
+    cache.sums.copy_(pyramid.means.mul_(pyramid.counts[None, :, None, None]))
+    cache.cache_seqlens.fill_(T)
+    q = torch.randn(B, 1, HQ, D, device=device, dtype=DTYPE, generator=gen)
+    return q, cache
 
 
-def bench_shape(B: int, T: int, cfg: SelectConfig, args, flush: torch.Tensor, row) -> None:
+def bench_shape(B: int, T: int, cfg: SelectConfig, args, row) -> None:
     """The decode rows of one (batch, context): pisa (default splits, and the sweep), every dense
     SDPA variant and the fastest, and the cache write."""
     reset_peak("cuda")
-    q, k_cache, v_cache, sums, lens = filled_cache(B, T, seed=T + B)
+    q, cache = filled_cache(B, T, seed=T + B)
+    kc, vc, sums, lens = cache.k_cache, cache.v_cache, cache.sums, cache.cache_seqlens
 
-    def step(splits=None, warps=None, stages=None):
-        return decode_triton(q, k_cache, v_cache, sums, lens, cfg, num_splits=splits,
-                             num_warps=warps, num_stages=stages)
+    def step():
+        return pisa_attn_with_kvcache(q, cache, topk=K, beam=W, backend="triton")
     splits = default_num_splits(B, HKV, cfg.slots, q.device)
-    row("decode", "pisa", "triton", B, T, graph_ms(step, args.reps, flush), splits=splits,
-        num_warps=None, num_stages=None, warm_ms=warm_ms(step))
+    row("decode", "pisa", "triton", B, T, graph_ms(step), splits=splits, num_warps=None,
+        num_stages=None, warm_ms=graph_warm_ms(step))
     if B == 1 and T in args.sweep_lengths:
         sweep = [(s, None, None) for s in args.splits] + [(splits, w, None) for w in args.warps] \
             + [(splits, None, st) for st in args.stages]
         for s, w, st in sweep:
-            fn = lambda s=s, w=w, st=st: step(s, w, st)  # noqa: E731
-            row("decode", "pisa_sweep", "triton", B, T, graph_ms(fn, args.reps, flush),
-                splits=min(s, cfg.slots), num_warps=w, num_stages=st, warm_ms=warm_ms(fn))
+            def fn(s=s, w=w, st=st):
+                return decode_triton(q, kc, vc, sums, lens, cfg, num_splits=s, num_warps=w,
+                                     num_stages=st)
+            row("decode", "pisa_sweep", "triton", B, T, graph_ms(fn), splits=min(s, cfg.slots),
+                num_warps=w, num_stages=st, warm_ms=graph_warm_ms(fn))
     dense = []
-    for name, fn in sdpa_variants(q, k_cache, v_cache).items():
+    for name, fn in sdpa_variants(q, kc, vc).items():
         reset_peak("cuda")
         try:
-            ms = graph_ms(fn, args.reps, flush)
+            ms = graph_ms(fn)
         except RuntimeError as e:  # the backend refuses the shape, dtype or layout
             print(f"# skip {name} B={B} T={T}: {str(e).splitlines()[0][:160]}", flush=True)
             continue
-        dense.append(row("decode", name, "sdpa", B, T, ms, warm_ms=warm_ms(fn)))
+        dense.append(row("decode", name, "sdpa", B, T, ms, warm_ms=graph_warm_ms(fn)))
     if dense:
         best = min(dense, key=lambda r: r["ms"])
         row("decode", "dense", "sdpa", B, T, best["ms"], warm_ms=best["warm_ms"],
@@ -152,9 +124,8 @@ def bench_shape(B: int, T: int, cfg: SelectConfig, args, flush: torch.Tensor, ro
     at = lens - 1
 
     def append():
-        append_kv(k_cache, v_cache, sums, k1, v1, at, C, G_BR)
-    row("decode", "pisa_append_kv", "torch", B, T, graph_ms(append, args.reps, flush),
-        warm_ms=warm_ms(append))
+        write_kv(kc, vc, sums, k1, v1, at, C, G_BR)
+    row("decode", "pisa_append_kv", "torch", B, T, graph_ms(append), warm_ms=graph_warm_ms(append))
 
 
 def main() -> None:
@@ -169,7 +140,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="*", default=[2, 4],
                     help="num_stages values of the batch-1 sweep (default splits and warps)")
     ap.add_argument("--sweep-lengths", type=int, nargs="*", default=[32768, 1 << 20])
-    ap.add_argument("--reps", type=int, default=50, help="graph replays per timing (median)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="ignored (kept so older command lines run): graph replays are timed by "
+                         "common.time_ms, ~100 ms of replays each")
     ap.add_argument("--prefill-len", type=int, default=131072, help="0 skips the prefill rows")
     ap.add_argument("--quick", action="store_true",
                     help="batch 1 and 16 at 32K and 1M only (and the sweep), no prefill")
@@ -183,32 +156,25 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     cfg = SelectConfig(block_size=C, topk=K, branching=G_BR, beam=W, scale=D ** -0.5)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    rows = []
+    out = Results(args.out, "cuda")
     t_start = time.time()
 
     def row(op, impl, backend, B, T, ms, **extra):
-        r = result_row(op, impl, backend, B=B, T=T, HQ=HQ, HKV=HKV, D=D, K=K, C=C, g=G_BR, W=W,
-                       dtype="bfloat16", ms=ms, peak_gb=peak_gb("cuda"), **extra)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)  # after every row: a timeout keeps them
-        args.out.write_text(json.dumps({"meta": meta("cuda", "python " + " ".join(sys.argv)),
-                                        "rows": rows}, indent=1))
+        r = out.add(result_row(op, impl, backend, T=T, ms=ms, peak_gb=peak_gb("cuda"),
+                               **shape(B=B), **extra))
+        out.save()  # after every row: a timeout keeps them
         return r
 
     for B in args.batches:
         for T in args.lengths:
             t0 = time.time()
-            bench_shape(B, T, cfg, args, flush, row)
+            bench_shape(B, T, cfg, args, row)
             torch.cuda.empty_cache()
             print(f"# B={B} T={T} done in {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
 
     if args.prefill_len:
         T = args.prefill_len
-        gen = torch.Generator(device="cuda").manual_seed(T)
-        q, k, v = (torch.randn(1, T, h, D, device="cuda", dtype=DTYPE, generator=gen)
-                   for h in (HQ, HKV, HKV))
+        q, k, v = randn_qkv(T, seed=T)
         with torch.no_grad():
             reset_peak("cuda")
             row("fwd", "pisa", "triton", 1, T, time_ms(
@@ -216,9 +182,9 @@ def main() -> None:
                                   backend="triton"), "cuda"))
             reset_peak("cuda")
             row("fwd", "dense", "cudnn", 1, T, time_ms(dense_attention(q, k, v, "cuda"), "cuda"))
-    print(f"# total {time.time() - t_start:.0f}s, wrote {len(rows)} rows to {args.out}",
+    print(f"# total {time.time() - t_start:.0f}s, wrote {len(out.rows)} rows to {args.out}",
           file=sys.stderr)
-    print(table(rows))
+    print(table(out.rows))
 
 
 def table(rows: list[dict]) -> str:

@@ -11,10 +11,11 @@ are themselves O(T)); a quadratic term would show as 4.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import subprocess
 import sys
+
+from common import Results, result_row, shape
 
 HQ, HKV, D, K, C = 8, 2, 64, 16, 64
 
@@ -46,22 +47,16 @@ def main() -> None:
     if args.child:
         print(measure(args.child[0], int(args.child[1])))
         return
-    from pisa.bench import meta
-    rows = []
+    res = Results(args.json, "cpu")
     for op in ("select", "fwdbwd"):
         for T in args.lengths:
-            out = subprocess.run([sys.executable, __file__, "--child", op, str(T)], check=True,
-                                 capture_output=True, text=True).stdout
-            gb = float(out.strip().splitlines()[-1])
-            rows.append({"op": op, "impl": "pisa", "backend": "torch", "B": 1, "T": T, "HQ": HQ,
-                         "HKV": HKV, "D": D, "K": K, "C": C, "g": 2, "W": K,
-                         "dtype": "float32", "ms": None, "peak_gb": gb, "recall": None,
-                         "mass": None})
+            child = subprocess.run([sys.executable, __file__, "--child", op, str(T)], check=True,
+                                   capture_output=True, text=True).stdout
+            gb = float(child.strip().splitlines()[-1])
+            res.rows.append(result_row(op, "pisa", "torch", T=T, ms=None, peak_gb=gb,
+                                       **shape(HQ, HKV, D, K=K, C=C, W=K, dtype="float32")))
             print(f"{op:7s} T={T:<7d} peak growth {gb:.3f} GiB", flush=True)
-    result = {"meta": meta("cpu", " ".join(["python"] + sys.argv)), "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    res.save()
 
 
 if __name__ == "__main__":

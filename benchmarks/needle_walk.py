@@ -21,7 +21,7 @@ import sys
 import torch
 
 from pisa import pisa_select
-from pisa.bench import meta
+from pisa.results import meta, write_result
 
 D, C, K = 64, 64, 16
 
@@ -92,8 +92,7 @@ def main(argv=None) -> None:
                   "notes": "hit_rate = share of trials whose needle block is selected by the "
                            "last query; z = the needle's logit minus the mean logit (logit "
                            "std 1); forced blocks excluded from needle positions"})
-        with open(args.json, "w") as f:
-            json.dump({"meta": m, "rows": rows}, f, indent=1)
+        write_result(args.json, m, rows)
     print(markdown(rows))
 
 

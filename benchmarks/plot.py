@@ -10,11 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -24,6 +19,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[None],
                     help="one panel per batch size per op (default: every row)")
     args = ap.parse_args()
+    import matplotlib  # after the arguments: --help works without it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     with open(args.path) as f:
         result = json.load(f)
     panels = [(op, b) for op in args.ops for b in args.batches]

@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pisa.bench import meta
+from pisa.results import meta, write_result
 from pisa.eval.gpt import GPT, GPTConfig
 from pisa.eval.tasks import TASKS, ByteCorpus, lm_eval_windows, lm_windows, make_task
 
@@ -563,7 +563,8 @@ def launch(args) -> dict:
             _say(f"[launch] {name} exited with {p.returncode}; its log ends:\n"
                  + _tail(work / f"{name}.log"), log)
     result = merge(args, runs, work, corpus_info, calib, t0)
-    _write_atomic(out / "quality_trained.json", result)
+    write_result(out / "quality_trained.json", result["meta"], result["rows"],
+                 beam_rows=result["beam_rows"])
     log.close()
     with tarfile.open(out / "quality_logs.tar.gz", "w:gz") as tar:
         for path in sorted(work.glob("*.log")) + sorted(work.glob("*.json")):

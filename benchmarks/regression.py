@@ -4,7 +4,8 @@ Times, per checkout, on the same seeded random bf16 inputs (config A: B=1, HQ=64
 C=64, K=W=16, g=2): ``pisa_select`` at ``--select-len`` (default 128K), ``pisa_attn``
 forward+backward at ``--train-len`` (128K) and one decode step ``pisa_attn_with_kvcache`` against a
 cache of ``--decode-len`` (1M) keys (no append), captured in a CUDA graph and replayed (as
-``decode_h200.py`` times it). The checkouts alternate ``--rounds`` times, each in a fresh process
+``decode_h200.py`` times it; ``decode_eager``: the same step called from Python, input checks and
+launch overhead included). The checkouts alternate ``--rounds`` times, each in a fresh process
 whose ``PYTHONPATH`` is the checkout (so each imports its own ``pisa``); a row's ``ms`` is the
 median over rounds of ``time_ms`` (``pisa.bench``: do_bench medians, CUDA events).
 
@@ -27,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 B, HQ, HKV, D, C, K, G_BR = 1, 64, 4, 128, 64, 16, 2
+OPS = ("select", "fwdbwd", "decode", "decode_eager")
 
 
 def _randn(gen, *shape):
@@ -54,8 +56,9 @@ def _time_fwdbwd(gen, T: int) -> float:
     return time_ms(step, "cuda")
 
 
-def _time_decode(gen, T: int) -> float:
-    """One step against a full cache of ``T`` keys, captured in a CUDA graph, replays timed."""
+def _time_decode(gen, T: int) -> tuple[float, float]:
+    """One step against a full cache of ``T`` keys: called from Python (checks and launches
+    included) and captured in a CUDA graph (replays timed)."""
     import torch
     from pisa import PisaCache, pisa_attn_with_kvcache
     from pisa.bench import time_ms
@@ -66,12 +69,11 @@ def _time_decode(gen, T: int) -> float:
 
     def step():
         return pisa_attn_with_kvcache(q1, cache, cache_seqlens=lens, topk=K)
-    step()  # compiles outside the capture
-    torch.cuda.synchronize()
+    eager = time_ms(step, "cuda")  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return time_ms(graph.replay, "cuda")
+    return eager, time_ms(graph.replay, "cuda")
 
 
 def _outputs(T: int) -> dict:
@@ -106,11 +108,13 @@ def _compare(ref: dict, out: dict) -> dict:
 
 
 def _measure(select_len: int, train_len: int, decode_len: int) -> dict:
-    """One checkout's times (ms) in this process: ``{"select", "fwdbwd", "decode"}``."""
+    """One checkout's times (ms) in this process: ``{"select", "fwdbwd", "decode",
+    "decode_eager"}``."""
     import torch
     gen = torch.Generator(device="cuda").manual_seed(0)
-    return {"select": _time_select(gen, select_len), "fwdbwd": _time_fwdbwd(gen, train_len),
-            "decode": _time_decode(gen, decode_len)}
+    out = {"select": _time_select(gen, select_len), "fwdbwd": _time_fwdbwd(gen, train_len)}
+    out["decode_eager"], out["decode"] = _time_decode(gen, decode_len)
+    return out
 
 
 def main() -> None:
@@ -153,7 +157,7 @@ def main() -> None:
     from pisa.results import meta, result_row, write_result
     rows, med = [], {}
     for name, runs in times.items():
-        for op, T in zip(("select", "fwdbwd", "decode"), lens):
+        for op, T in zip(OPS, lens + lens[-1:]):
             per_round = [run[op] for run in runs]
             med[name, op] = statistics.median(per_round)
             rows.append(result_row(op, "pisa", "triton", B=B, T=T, HQ=HQ, HKV=HKV, D=D, K=K,
@@ -163,7 +167,7 @@ def main() -> None:
     import torch
     ref = torch.load(saves[names[0]])
     equivalence = {name: _compare(ref, torch.load(saves[name])) for name in names[1:]}
-    ratio = {op: med[names[-1], op] / med[names[0], op] for op in ("select", "fwdbwd", "decode")} \
+    ratio = {op: med[names[-1], op] / med[names[0], op] for op in OPS} \
         if len(names) > 1 else {}
     info = meta("cuda", "python " + " ".join(sys.argv), trees=trees, ratio=ratio,
                 equivalence=equivalence, compare_len=args.compare_len)
