@@ -35,6 +35,17 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_for_numpy2()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Run torch on one CPU thread: the fp64 oracles' loops of tiny products take ~10x longer when
+    two threads contend for two cores (naive_select over 300 queries: 7.1 s on 2 threads, 0.8 s
+    on 1), and the other CPU tests are small. Restored after the session."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def rng():
     """A fresh, unseeded-by-test generator state each test: inputs differ run to run, and the seed

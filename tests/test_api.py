@@ -1,8 +1,10 @@
+"""The public functions ``pisa_select`` and ``pisa_attn`` (``pisa/api.py``): end to end on CPU,
+and the Triton path in bf16 against the fp32 torch backend on CUDA (``gpu``, skipped without it)."""
 import pytest
 import torch
 
 from pisa import pisa_attn, pisa_select
-from pisa.ops.naive import naive_dense_attn
+from pisa.ops.attn.naive import naive_dense_attn
 
 
 def _qkv(B=1, Tq=100, Tk=100, HQ=4, HKV=2, D=16, dtype=torch.float32, grad=False):
@@ -86,6 +88,23 @@ def test_invalid_input_raises_a_named_error(override, err, msg):
         pisa_attn(q, k, v, **args)
 
 
+@pytest.mark.parametrize("backend,C,ok", [
+    ("torch", 4, True), ("torch", 256, True), ("naive", 4, True),
+    ("triton", 8, False), ("triton", 256, False)])
+def test_block_size_is_bounded_once_per_backend(backend, C, ok, rng):
+    """One table (``BLOCK_SIZES``): 8 fails selection on Triton as it fails attention; 256 is a
+    torch block size only."""
+    q, k, v = _qkv(Tq=16, Tk=16)
+    if ok:
+        idx, _ = pisa_select(q, k, block_size=C, topk=4, backend=backend)
+        assert idx.shape == (1, 16, 2, 4)
+        return
+    for call in (lambda: pisa_select(q, k, block_size=C, backend=backend),
+                 lambda: pisa_attn(q, k, v, block_size=C, backend=backend)):
+        with pytest.raises(ValueError, match=f"for backend '{backend}'"):
+            call()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
 def test_device_mismatch_is_reported():
     q = torch.randn(1, 16, 4, 16)
@@ -117,4 +136,104 @@ def test_model_compiles_with_fullgraph(rng):
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(compiled, eager)
     compiled.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the Triton path in bf16 at real sizes
+# ------------------------------------------------------------------------------------------------
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="needs CUDA")(test))
+
+
+def _rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
+
+
+@gpu
+@pytest.mark.parametrize("T", [4096, 32768])
+@pytest.mark.parametrize("G,D", [(4, 64), (16, 128), (4, 128), (16, 64)])
+def test_gpu_bf16_outputs_and_grads_match_fp32_reference(T, G, D, rng):
+    HKV = 2 if T > 4096 else 4
+    q = torch.randn(1, T, HKV * G, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, T, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, T, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    idx, counts = pisa_select(q, k, backend="triton")
+    ref_idx, ref_counts = pisa_select(q.float(), k.float(), backend="torch")
+    same = (idx == ref_idx).all(-1).float().mean().item()
+    assert same > 0.99, f"triton selection rows equal to the fp32 torch selection: {same:.4f}"
+    o = pisa_attn(q, k, v, block_idx=idx, backend="triton")
+    ref_in = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = pisa_attn(*ref_in, block_idx=idx, backend="torch")
+    assert _rel(o, ref) < 1e-2
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, ref_in, do.float())
+    for g, r in zip(grads, ref_grads):
+        assert _rel(g, r) < 2e-2
+
+
+@gpu
+def test_gpu_all_blocks_equals_dense_sdpa(rng):
+    T, HKV, G, D = 2048, 2, 8, 128
+    q = torch.randn(1, T, HKV * G, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+    o = pisa_attn(q, k, v, topk=T // 64, backend="triton")
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), k.repeat_interleave(G, 2).transpose(1, 2).float(),
+        v.repeat_interleave(G, 2).transpose(1, 2).float(), is_causal=True).transpose(1, 2)
+    assert _rel(o, ref) < 1e-2
+
+
+@gpu
+def test_gpu_deterministic_backward_repeats_bitwise(rng):
+    T, HKV, G, D = 8192, 2, 8, 128
+    q, k, v = (torch.randn(1, T, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (HKV * G, HKV, HKV))
+    idx, _ = pisa_select(q, k, backend="triton")
+    do = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        o = pisa_attn(q, k, v, block_idx=idx, deterministic=True, backend="triton")
+        runs.append(torch.autograd.grad(o, (q, k, v), do))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@gpu
+def test_gpu_deterministic_changes_only_the_backward_summation_order(rng):
+    """pisa_attn with atomic dK/dV against deterministic=True: the forward is the same kernel, so
+    bitwise equal; gradients differ only by summation order."""
+    T, HKV, G, D = 16384, 4, 16, 128
+    q, k, v = (torch.randn(1, T, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (HKV * G, HKV, HKV))
+    idx, _ = pisa_select(q, k, backend="triton")
+    do = torch.randn_like(q)
+    o1, lse1 = pisa_attn(q, k, v, block_idx=idx, return_lse=True, backend="triton")
+    g1 = torch.autograd.grad(o1, (q, k, v), do)
+    o2, lse2 = pisa_attn(q, k, v, block_idx=idx, return_lse=True, deterministic=True,
+                         backend="triton")
+    g2 = torch.autograd.grad(o2, (q, k, v), do)
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    for a, b in zip(g1, g2):
+        assert _rel(a, b) < 1e-3
+
+
+@gpu
+def test_gpu_model_compiles_with_inductor_fullgraph(rng):
+    """torch.compile(fullgraph=True) with the default inductor backend over a small PISA model on
+    the GPU: same output as eager, and gradients flow."""
+    from pisa import PisaAttention
+    torch._dynamo.reset()
+    layer = torch.nn.Sequential(PisaAttention(256, 8, 2, block_size=64, topk=4),
+                                PisaAttention(256, 8, 2, block_size=64, topk=4)).cuda()
+    x = torch.randn(2, 2048, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    assert _rel(compiled, eager) < 2e-2
+    compiled.float().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from pisa import PisaCache, pisa_attn, pisa_attn_with_kvcache
-from pisa.ops.pyramid import build_pyramid_torch, level_offsets
+from pisa.ops.pyramid.torch_backend import build_pyramid_torch
+from pisa.ops.utils.geometry import level_offsets
 
 
 def _qkv(B, T, H, G, D, dtype=torch.float64, device="cpu"):

@@ -188,6 +188,7 @@ def test_warmup_runs_must_outlast_the_curriculum_phases_where_every_block_fits()
         qt.plan(args)
 
 
+@pytest.mark.slow  # ~70 s: the launcher runs on a wall-clock time budget
 def test_launcher_calibrates_one_step_count_and_merges_runs_into_the_schema(site, tmp_path):
     """The GPU protocol on CPU: runs compile, wait for each other, time a few steps, get one
     step count from the launcher, train, evaluate; the launcher merges everything."""

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..utils.geometry import Pyramid, cdiv, level_offsets, pow2
-from ..utils.op import device_offsets
+from ..utils.op import device_offsets, empty
 
 
 # ------------------------------------------------------------------------------------------------
@@ -114,8 +114,8 @@ def _launch_pyramid_build(k: torch.Tensor, block_size: int, branching: int,
     B, T, H, D = k.shape
     C, g = block_size, branching
     n_levels = len(offsets) - 1
-    means = torch.empty(B, offsets[-1], H, D, dtype=torch.float32, device=k.device)
-    counts = torch.empty(offsets[-1], dtype=torch.int32, device=k.device)
+    means = empty(B, offsets[-1], H, D, dtype=torch.float32, device=k.device)
+    counts = empty(offsets[-1], dtype=torch.int32, device=k.device)
     off = device_offsets(tuple(offsets), k.device)
     DP = max(16, pow2(D))
     leaves = pow2(leaves_per_program)

@@ -14,8 +14,8 @@ import triton.language as tl
 from ..pyramid import Pyramid
 from ..utils.config import SelectConfig
 from ..utils.geometry import cdiv, pow2
-from ..utils.op import (F32_PRECISION, KEY_NONE, dot_nt, dot_nt_f32, key_scores, load_queries,
-                        pack, selection_row, store_selection, token_sums)
+from ..utils.op import (F32_PRECISION, KEY_NONE, dot_nt, dot_nt_f32, empty, key_scores,
+                        load_queries, pack, selection_row, store_selection, token_sums)
 from .triton import SCORER_ID
 
 
@@ -110,8 +110,8 @@ def select_flat_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
     NB = max(KP, 64)  # blocks per chunk (per top-K merge)
     LB = min(NB, max(1, 128 // C))  # blocks per key load: LB * C rows
     means = pyramid.means if pyramid is not None else q.new_empty(1, 1, 1, 1, dtype=torch.float32)
-    block_idx = torch.empty(B, Tq, HKV, cfg.slots, dtype=torch.int32, device=q.device)
-    counts = torch.empty(B, Tq, HKV, dtype=torch.int32, device=q.device)
+    block_idx = empty(B, Tq, HKV, cfg.slots, dtype=torch.int32, device=q.device)
+    counts = empty(B, Tq, HKV, dtype=torch.int32, device=q.device)
     if B * Tq * HKV == 0:
         return block_idx, counts
     grid = (cdiv(Tq, BT), HKV, B)

@@ -37,8 +37,9 @@ from ..pyramid import Pyramid
 from ..utils.config import SelectConfig
 from ..utils.csr import sort_by_key
 from ..utils.geometry import cdiv, level_offsets, pow2
-from ..utils.op import (F32_PRECISION, KEY_NONE, device_offsets, dot_nt, key_scores, load_queries,
-                        pack, selection_row, store_selection, token_sums, unpack_idx)
+from ..utils.op import (F32_PRECISION, KEY_NONE, device_offsets, dot_nt, empty, key_scores,
+                        load_queries, pack, selection_row, store_selection, token_sums,
+                        unpack_idx)
 
 SCORER_ID = {"lse": 0, "mean": 1, "meanvar": 2}
 # Queries whose (query, parent) pairs share one leaf-stage grid row: chunks keep a group's
@@ -393,8 +394,9 @@ def check_pyramid(pyramid: Pyramid, k: torch.Tensor, cfg: SelectConfig) -> None:
         raise ValueError(f"pyramid offsets {pyramid.offsets} do not match k (T={Tk}, "
                          f"block_size={cfg.block_size}, branching={cfg.branching}): {want}")
     if tuple(pyramid.means.shape) != (B, want[-1], H, D) or pyramid.means.dtype != torch.float32:
-        raise ValueError(f"pyramid.means must be fp32 [{B}, {want[-1]}, {H}, {D}], got "
-                         f"{pyramid.means.dtype} {tuple(pyramid.means.shape)}")
+        raise ValueError(f"pyramid.means must be fp32 [{B}, {want[-1]}, {H}, {D}] (the pyramid "
+                         f"of k: T={Tk}, block_size={cfg.block_size}, branching={cfg.branching}), "
+                         f"got {pyramid.means.dtype} {tuple(pyramid.means.shape)}")
     if pyramid.means.stride(-1) != 1 or pyramid.counts.stride(-1) != 1:
         raise ValueError("pyramid tensors must be contiguous in their last dim")
     if pyramid.means.device != k.device or pyramid.counts.device != k.device:
@@ -504,8 +506,8 @@ def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
     ``counts [B, Tq, HKV] int32``."""
     B, Tq, HQ, D = q.shape
     HKV = k.shape[2]
-    block_idx = torch.empty(B, Tq, HKV, cfg.slots, dtype=torch.int32, device=q.device)
-    counts = torch.empty(B, Tq, HKV, dtype=torch.int32, device=q.device)
+    block_idx = empty(B, Tq, HKV, cfg.slots, dtype=torch.int32, device=q.device)
+    counts = empty(B, Tq, HKV, dtype=torch.int32, device=q.device)
     if B * Tq * HKV:
         _launch_select(q, k, cfg, pyramid, block_idx, counts)
     return block_idx, counts

@@ -1,9 +1,11 @@
+"""``pisa.ops.decode.kvcache``: appends keep the pyramid sums exact; the cache checks."""
 import pytest
 import torch
 
-from pisa.ops.kvcache import append_kv, check_cache, pyramid_from_sums
-from pisa.ops.pyramid import build_pyramid_torch, level_offsets
-from pisa.ops.utils import compute_dtype
+from pisa.ops.decode.kvcache import (append_kv, check_cache, node_counts, pyramid_from_sums,
+                                    write_kv)
+from pisa.ops.pyramid.torch_backend import build_pyramid_torch
+from pisa.ops.utils.geometry import compute_dtype, level_offsets
 
 
 def _empty_cache(B, T, H, D, C, g, dtype=torch.float64, device="cpu"):
@@ -73,6 +75,22 @@ def test_zero_length_append_changes_nothing(rng):
     append_kv(k_cache, v_cache, sums, x[:, :0], x[:, :0], lens, 8, 2)
     assert torch.equal(sums, before[0])
     assert torch.equal(k_cache.nan_to_num(), before[1].nan_to_num())
+
+
+def test_write_kv_is_append_kv_without_the_checks(rng):
+    cache_a, cache_b = _empty_cache(2, 50, 2, 4, 8, 2), _empty_cache(2, 50, 2, 4, 8, 2)
+    x, y = torch.randn(2, 2, 13, 2, 4, dtype=torch.float64)
+    append_kv(*cache_a[:3], x, y, cache_a[3], 8, 2)
+    write_kv(*cache_b[:3], x, y, cache_b[3], 8, 2)
+    for a, b in zip(cache_a, cache_b):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert not cache_b[3].any(), "neither advances the lengths"
+
+
+def test_node_counts_clamp_each_node_to_the_present_keys():
+    offsets = level_offsets(40, 8, 2)  # levels of 5, 3, 2, 1 nodes
+    assert node_counts(19, offsets, 8, 2).tolist() == [8, 8, 3, 0, 0, 16, 3, 0, 19, 0, 19]
+    assert node_counts(40, offsets, 8, 2).tolist() == [8] * 5 + [16, 16, 8, 32, 8, 40]
 
 
 def _bad(**over):

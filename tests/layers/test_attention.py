@@ -1,3 +1,4 @@
+"""``pisa.layers.attention.PisaAttention``: training, the dense fast path, argument checks."""
 import pytest
 import torch
 from torch import nn

@@ -1,9 +1,12 @@
+"""``pisa.ops.select.torch_backend``: the vectorised selection against the fp64 oracle
+``pisa.ops.select.naive``, its invariants, and planted needles."""
 import pytest
 import torch
 
-from pisa.ops.naive import naive_select
-from pisa.ops.select import select_torch
-from pisa.ops.utils import SelectConfig, cdiv
+from pisa.ops.select.naive import naive_select
+from pisa.ops.select.torch_backend import select_torch
+from pisa.ops.utils.config import SelectConfig
+from pisa.ops.utils.geometry import cdiv
 
 
 def _cfg(C=8, K=6, g=2, W=4, scorer="lse", selector="pyramid", fib=True, D=16):

@@ -1,9 +1,10 @@
+"""``pisa.ops.pyramid.torch_backend``: the vectorised pyramid against exact means and the oracle."""
 import pytest
 import torch
 
-from pisa.ops.naive import naive_pyramid
-from pisa.ops.pyramid import build_pyramid_torch, level_offsets
-from pisa.ops.utils import level_sizes
+from pisa.ops.pyramid.naive import naive_pyramid
+from pisa.ops.pyramid.torch_backend import build_pyramid_torch
+from pisa.ops.utils.geometry import level_offsets, level_sizes
 
 
 @pytest.mark.parametrize("T,C,g", [(1, 4, 2), (63, 4, 2), (64, 4, 2), (65, 8, 4), (1000, 16, 2),
@@ -11,6 +12,7 @@ from pisa.ops.utils import level_sizes
 def test_every_summary_is_the_exact_mean_of_its_keys(T, C, g, rng):
     k = torch.randn(2, T, 3, 8, dtype=torch.float64)
     pyr = build_pyramid_torch(k, C, g)
+    assert pyr.means.dtype == torch.float64 and pyr.counts.dtype == torch.int32
     assert pyr.n_levels == len(level_sizes(-(-T // C), g))
     assert pyr.level(pyr.n_levels)[1].tolist() == [T], "the root holds every key"
     for lvl in range(1, pyr.n_levels + 1):
@@ -26,8 +28,9 @@ def test_every_summary_is_the_exact_mean_of_its_keys(T, C, g, rng):
 def test_torch_pyramid_matches_naive(T, C, g, rng):
     k = torch.randn(1, T, 2, 16)
     pyr = build_pyramid_torch(k, C, g)
+    assert pyr.means.dtype == torch.float32
     levels = naive_pyramid(k, C, g)
-    assert pyr.offsets == level_offsets(T, C, g)
+    assert pyr.offsets == level_offsets(T, C, g) and pyr.n_levels == len(levels)
     for lvl, (means, counts) in enumerate(levels, start=1):
         got_means, got_counts = pyr.level(lvl)
         assert torch.equal(got_counts.long(), counts)

@@ -1,12 +1,15 @@
+"""``pisa.ops.attn.torch_backend`` (through the ``pisa::sparse_attn`` op, ``backend="torch"``)
+against the fp64 oracle ``pisa.ops.attn.naive``: outputs, LSE and gradients."""
 import math
 
 import pytest
 import torch
 
-from pisa.ops.attn import _fwd_torch, sparse_attn
-from pisa.ops.naive import naive_attn, naive_dense_attn
-from pisa.ops.select import select_torch
-from pisa.ops.utils import SelectConfig
+from pisa.ops.attn import sparse_attn
+from pisa.ops.attn.naive import naive_attn, naive_dense_attn
+from pisa.ops.attn.torch_backend import attn_fwd_torch
+from pisa.ops.select.torch_backend import select_torch
+from pisa.ops.utils.config import SelectConfig
 
 
 def _inputs(B, Tq, Tk, HKV, G, D, dtype=torch.float64):
@@ -44,7 +47,7 @@ def test_torch_attention_equals_naive_with_pyramid_selection(T, G, D, scorer, rn
     C = 16 if T >= 1000 else 8
     q, k, v = _inputs(B, T, T, HKV, G, D)
     cfg = SelectConfig(C, 6, 2, 4, scorer, "pyramid", True, D ** -0.5)
-    idx, _ = select_torch(q.detach(), k.detach(), cfg)  # equal to naive_select: test_select.py
+    idx, _ = select_torch(q.detach(), k.detach(), cfg)  # == naive_select (select/ tests)
     o, lse = sparse_attn(q, k, v, idx, C, cfg.scale, "torch")
     o_ref, lse_ref = naive_attn(q, k, v, idx, C, cfg.scale)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
@@ -114,6 +117,6 @@ def test_outputs_are_poisoned_then_fully_written(rng, monkeypatch):
     idx = _random_selection(B, T, T, HKV, C, 3)
     idx[0, 5] = -1  # a row with no block at all
     with torch.no_grad():
-        o, lse = _fwd_torch(q, k, v, idx, C, 0.25)
+        o, lse = attn_fwd_torch(q, k, v, idx, C, 0.25)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     assert bool((o[0, 5] == 0).all()) and bool((lse[0, :, 5] == -math.inf).all())

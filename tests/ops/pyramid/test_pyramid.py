@@ -1,0 +1,22 @@
+"""``pisa.ops.pyramid``: the backend dispatch of ``build_pyramid`` (the ``Pyramid`` layout is
+``utils.geometry``'s)."""
+import pytest
+import torch
+
+from pisa.ops.pyramid import build_pyramid
+from pisa.ops.pyramid.torch_backend import build_pyramid_torch
+
+pytestmark = pytest.mark.usefixtures("fast_interpreter")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_build_pyramid_dispatches(backend, rng):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    k = torch.randn(2, 77, 2, 16, device=dev)
+    got = build_pyramid(k, 8, 2, backend)
+    want = build_pyramid_torch(k, 8, 2)
+    assert got.offsets == want.offsets and torch.equal(got.counts, want.counts)
+    assert got.means.dtype == torch.float32 and got.means.device == k.device
+    torch.testing.assert_close(got.means, want.means, rtol=1e-5, atol=1e-6)

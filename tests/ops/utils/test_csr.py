@@ -1,0 +1,54 @@
+"""``pisa.ops.utils.csr``: selections transposed by block (one implementation for every op)."""
+import torch
+
+from pisa.ops.utils.csr import block_work_items, group_pairs, sort_by_key
+from pisa.ops.utils.geometry import cdiv
+from tests.ops.attn.common import random_selection
+
+
+def test_sort_by_key_groups_stably_and_drops_out_of_range_keys(rng):
+    key = torch.randint(0, 8, (200,))  # 7 is past n_keys: no group
+    order, start = sort_by_key(key, 7)
+    assert start.shape == (8,) and int(start[0]) == 0 and int(start[-1]) == int((key < 7).sum())
+    for i in range(7):
+        members = order[start[i]:start[i + 1]].tolist()
+        assert members == sorted(members), "stable: ids ascend inside a group"
+        assert members == (key == i).nonzero().flatten().tolist()
+
+
+def test_group_pairs_covers_every_pair_once_in_groups_of_at_most_size(rng):
+    n_blocks, size = 9, 4
+    pair_block = torch.randint(0, n_blocks, (103,))
+    pg = group_pairs(pair_block, n_blocks, size)
+    assert sorted(pg.order.tolist()) == list(range(103))
+    assert bool((pg.slot < size).all()) and pg.size == size
+    seen = set()
+    for p, grp, slot in zip(pg.order.tolist(), pg.group.tolist(), pg.slot.tolist()):
+        assert int(pg.block[grp]) == int(pair_block[p]), "a group reads its pairs' block"
+        assert (grp, slot) not in seen
+        seen.add((grp, slot))
+    counts = torch.bincount(pair_block, minlength=n_blocks)
+    assert pg.n_groups == int(((counts + size - 1) // size).sum()), "as few groups as possible"
+    laid = pg.layout(torch.arange(103), -1)
+    assert laid.shape == (pg.n_groups * size,)
+    assert sorted(x for x in laid.tolist() if x >= 0) == list(range(103))
+
+
+def test_block_work_items_lists(rng):
+    """Every (block, token) pick appears once, lists ascend, chunks respect the limit."""
+    B, Tq, Tk, H, C, S, chunk = 2, 50, 80, 3, 16, 4, 7
+    idx = random_selection(B, Tq, Tk, H, C, S, min_blocks=1, seed=rng, device="cpu")
+    nb = cdiv(Tk, C)
+    tokens, items, n_parts = block_work_items(idx, nb, chunk)
+    got = set()
+    for key, start, end, slot, n in items.tolist():
+        assert 0 < end - start <= chunk
+        toks = tokens[start:end].tolist()
+        assert toks == sorted(toks)
+        bh, c = divmod(key, nb)
+        got |= {(bh // H, t, bh % H, c) for t in toks}
+    want = {(b, t, h, c) for b, t, h, s in zip(*torch.nonzero(idx >= 0, as_tuple=True))
+            for c in [int(idx[b, t, h, s])]}
+    assert got == {tuple(int(x) for x in w) for w in want}
+    slots = items[:, 3]
+    assert sorted(slots[slots >= 0].tolist()) == list(range(n_parts))
