@@ -1,8 +1,19 @@
 """PISA: block-sparse attention with log-linear pyramid block selection."""
-from .api import pisa_attn, pisa_attn_with_kvcache, pisa_select
-from .cache import PisaCache
-from .layers import PisaAttention
+import warnings as _warnings
 
-__version__ = "0.1.0"
+with _warnings.catch_warnings():
+    # torch without NumPy (PISA needs none) warns "Failed to initialize NumPy: No module named
+    # 'numpy'" when first imported (torch 2.13, from torch/_subclasses/functional_tensor.py), so
+    # every `import pisa` of a torch-only install printed it. Only that message is silenced: a
+    # broken NumPy (e.g. "_ARRAY_API not found") still warns.
+    _warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy: No module named",
+                             category=UserWarning)
+    import torch as _torch  # noqa: F401
+
+from .api import pisa_attn, pisa_attn_with_kvcache, pisa_select  # noqa: E402
+from .cache import PisaCache  # noqa: E402
+from .layers import PisaAttention  # noqa: E402
+from .version import __version__  # noqa: E402
+
 __all__ = ["pisa_attn", "pisa_select", "pisa_attn_with_kvcache", "PisaCache", "PisaAttention",
            "__version__"]

@@ -7,7 +7,7 @@ import torch
 from .cache import PisaCache
 from .ops.attn import sparse_attn
 from .ops.decode import decode_step, prefill_with_cache
-from .ops.decode.kvcache import check_cache, check_new_kv, write_kv
+from .ops.decode.kvcache import check_cache, check_new_kv, check_seqlens, write_kv
 from .ops.select import select
 from .ops.utils.config import (SelectConfig, check_block_idx, check_qk, resolve_backend,
                                resolve_config)
@@ -35,8 +35,25 @@ _SELECT_DOC = """
         (then ``block_idx`` has ``topk + 3`` slots).
     scale: float or None. Softmax scale; default ``D ** -0.5``.
     backend: "auto" (default: Triton on CUDA when installed, else torch) | "torch" | "triton"
-        | "naive" (the fp64 loop oracle; tiny inputs only).
+        | "naive" (the fp64 loop oracle; tiny inputs only). "triton" needs CUDA tensors, or
+        ``TRITON_INTERPRET=1`` in the environment (Triton's CPU interpreter; slow, for tests).
+
+    A knob of the wrong type (``scale="0.1"``, ``topk=16.0``, ``forced_in_budget="no"``) is a
+    ``TypeError``, one out of range a ``ValueError``, each naming the knob.
 """
+
+
+def _empty_batch(q: torch.Tensor) -> bool:
+    """A zero-size batch (``B = 0`` or ``Tq = 0``; zero heads or head dims fail ``check_qk``):
+    the public functions return empty results of the right shapes without running an op."""
+    return q.shape[0] == 0 or q.shape[1] == 0
+
+
+def _empty_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32 of a zero-size batch, built
+    from ``q, k, v`` so that backward runs and gives zero gradients of their shapes."""
+    o = q + (k.sum() + v.sum()).to(q.dtype) * 0
+    return o, o.float().sum(-1).transpose(1, 2).contiguous()
 
 
 def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk: int = _K,
@@ -49,6 +66,8 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
         q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32 (fp64 for the torch/naive backends).
         k: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads % nheads_k == 0.
             Queries are the last ``seqlen_q`` positions of the keys (bottom-right causal).
+            ``batch == 0`` or ``seqlen_q == 0`` gives empty outputs; no heads or ``headdim == 0``
+            is a ``ValueError``.
     """ + _SELECT_DOC + """
     Returns:
         block_idx: (batch, seqlen_q, nheads_k, slots) int32, ascending, -1 padded; ``slots`` is
@@ -60,6 +79,10 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
                          beam=beam, scorer=scorer, selector=selector,
                          forced_in_budget=forced_in_budget, scale=scale)
+    if _empty_batch(q):
+        B, Tq, HKV = q.shape[0], q.shape[1], k.shape[2]
+        return (q.new_full((B, Tq, HKV, cfg.slots), -1, dtype=torch.int32),
+                q.new_zeros((B, Tq, HKV), dtype=torch.int32))
     return select(q, k, cfg, backend)
 
 
@@ -75,11 +98,14 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32.
         k, v: (batch, seqlen_k, nheads_k, headdim), same dtype/device; GQA when nheads_k < nheads.
             Queries are the last ``seqlen_q`` positions of the keys (bottom-right causal).
+            ``batch == 0`` or ``seqlen_q == 0`` gives empty outputs (and zero gradients).
     """ + _SELECT_DOC + """
     return_lse: bool. Also return the softmax log-normaliser, to merge with other partial
         attention results. Default False.
     block_idx: optional (batch, seqlen_q, nheads_k, S) int32 precomputed selection (ascending,
-        -1 padded); skips the selection step.
+        -1 padded); skips the selection step. Its values are checked (ids in range, strictly
+        ascending, causal, -1 only at the end; ``ValueError`` naming the first bad row): one
+        reduction over it and one host sync per call.
     deterministic: bool. Make the backward bitwise reproducible (the Triton dK/dV pass then
         sums a block's split query chunks in a fixed order instead of with atomics; slightly
         slower). The torch backend always is. Default False.
@@ -94,10 +120,17 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
                          beam=beam, scorer=scorer, selector=selector,
                          forced_in_budget=forced_in_budget, scale=scale)
-    if block_idx is None:
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if block_idx is None and not _empty_batch(q):
         block_idx, _ = select(q.detach(), k.detach(), cfg, backend)
-    else:
-        check_block_idx(block_idx, q, k)
+    elif block_idx is not None:
+        check_block_idx(block_idx, q, k, cfg.block_size)
+    if _empty_batch(q):
+        o, lse = _empty_attn(q, k, v)
+        return (o, lse) if return_lse else o
     o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend, deterministic)
     return (o, lse) if return_lse else o
 
@@ -129,7 +162,10 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
             lengths before the append, owned by the caller as in ``flash_attn_with_kvcache`` —
             this call then neither reads nor advances ``cache.cache_seqlens``, and the caller
             advances its own lengths by ``seqlen_new``. Either way the cache's sums must hold
-            exactly the first ``cache_seqlens`` keys of each sequence.
+            exactly the first ``cache_seqlens`` keys of each sequence. Given lengths must lie in
+            ``[0, max_seqlen - seqlen_new]``: an int or a CPU tensor out of range raises
+            ``ValueError``; on CUDA the check is an asynchronous device assert (no host sync, so
+            CUDA-graph capture still works), and a violation surfaces as a device-side assert.
         topk, beam, scorer, selector, forced_in_budget, scale: as in ``pisa_attn``;
             ``selector="auto"`` chooses by the cache's ``max_seqlen``.
         return_lse: bool. Also return the log-normaliser. Default False.
@@ -168,6 +204,9 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
     check_cache(cache.k_cache, cache.v_cache, cache.sums, lens, cache.block_size, cache.branching)
     if k_new is not None:
         check_new_kv(cache.k_cache, k_new, v_new)
+    if not own:  # the cache keeps its own lengths in range; a caller's are checked here
+        check_seqlens(cache_seqlens, cache.max_seqlen, 0 if k_new is None else k_new.shape[1])
+    if k_new is not None:
         write_kv(cache.k_cache, cache.v_cache, cache.sums, k_new, v_new, lens, cache.block_size,
                  cache.branching)
         if own:

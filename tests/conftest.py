@@ -8,31 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from pisa.ops.utils.interpreter import patch_interpreter  # noqa: E402 (after the variable)
 
-def _patch_interpreter_for_numpy2():
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and calls int() on them for loop
-    bounds, which NumPy >= 2.4 refuses; read the element instead."""
-    try:
-        import numpy as np
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    try:
-        int(np.ones(1))
-        return
-    except TypeError:
-        pass
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_for_numpy2()
+patch_interpreter()  # the library's NumPy >= 2.4 shim (pisa.ops.utils.op applies it too)
 
 
 @pytest.fixture(scope="session", autouse=True)

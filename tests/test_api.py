@@ -75,6 +75,18 @@ BAD = [
     (dict(block_idx=torch.zeros(1, 16, 4, 4, dtype=torch.int32)), ValueError, "block_idx"),
     (dict(q=torch.randn(1, 16, 4, 300), k=torch.randn(1, 16, 2, 300),
           v=torch.randn(1, 16, 2, 300)), ValueError, "head dim"),
+    (dict(q=torch.randn(1, 16, 0, 16)), ValueError, r"q must have at least one head \(HQ"),
+    (dict(k=torch.randn(1, 16, 0, 16), v=torch.randn(1, 16, 0, 16)), ValueError,
+     r"k must have at least one head \(HKV"),
+    (dict(q=torch.randn(1, 16, 4, 0), k=torch.randn(1, 16, 2, 0), v=torch.randn(1, 16, 2, 0)),
+     ValueError, r"q head dim D must be in \[1, 256\], got 0"),
+    (dict(scale="0.1"), TypeError, "scale must be a real number or None"),
+    (dict(forced_in_budget="no"), TypeError, "forced_in_budget must be a bool"),
+    (dict(topk=16.0), TypeError, "topk must be an int"),
+    (dict(block_size="64"), TypeError, "block_size must be an int"),
+    (dict(beam=True), TypeError, "beam must be an int"),
+    (dict(return_lse="yes"), TypeError, "return_lse must be a bool"),
+    (dict(deterministic=None), TypeError, "deterministic must be a bool"),
 ]
 
 
@@ -102,6 +114,53 @@ def test_block_size_is_bounded_once_per_backend(backend, C, ok, rng):
     for call in (lambda: pisa_select(q, k, block_size=C, backend=backend),
                  lambda: pisa_attn(q, k, v, block_size=C, backend=backend)):
         with pytest.raises(ValueError, match=f"for backend '{backend}'"):
+            call()
+
+
+@pytest.mark.parametrize("knobs", [dict(scale="0.1"), dict(forced_in_budget="no"),
+                                   dict(topk=16.0), dict(block_size="64"), dict(beam=True)],
+                         ids=lambda x: str(x))
+def test_pisa_select_refuses_knobs_of_the_wrong_type(knobs):
+    q, k, _ = _qkv(Tq=16, Tk=16)
+    with pytest.raises(TypeError, match=f"{next(iter(knobs))} must be"):
+        pisa_select(q, k, **knobs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "naive", "triton"])
+@pytest.mark.parametrize("B,Tq,Tk", [(0, 32, 32), (1, 0, 32), (0, 0, 0), (2, 0, 0)])
+@pytest.mark.parametrize("forced_in_budget", [True, False])
+def test_zero_size_batch_gives_empty_results(backend, B, Tq, Tk, forced_in_budget):
+    """``B = 0`` or ``Tq = 0``: empty outputs of the right shapes and dtypes, as torch ops give,
+    from selection, attention (with ``lse``) and its backward (zero gradients), on every
+    backend (the shortcut is in the public functions, before any kernel)."""
+    HQ, HKV, D, K = 4, 2, 16, 4
+    q, k, v = _qkv(B=B, Tq=Tq, Tk=Tk, HQ=HQ, HKV=HKV, D=D, grad=True)
+    kw = dict(block_size=16, topk=K, forced_in_budget=forced_in_budget, backend=backend)
+    slots = K if forced_in_budget else K + 3
+    idx, counts = pisa_select(q, k, **kw)
+    assert idx.shape == (B, Tq, HKV, slots) and idx.dtype == torch.int32
+    assert counts.shape == (B, Tq, HKV) and counts.dtype == torch.int32
+    o, lse = pisa_attn(q, k, v, return_lse=True, **kw)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == (B, HQ, Tq) and lse.dtype == torch.float32
+    (o.sum() + lse.sum()).backward()
+    for x in (q, k, v):
+        assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+    o2 = pisa_attn(q.detach(), k.detach(), v.detach(), block_idx=idx, **kw)
+    assert o2.shape == q.shape
+    half = pisa_attn(q.detach().half(), k.detach().half(), v.detach().half(), **kw)
+    assert half.dtype == torch.float16 and half.shape == q.shape
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    """Not Triton's "RuntimeError: 0 active drivers" at the first kernel launch."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = _qkv(Tq=32, Tk=32)
+    for call in (lambda: pisa_select(q, k, block_size=16, backend="triton"),
+                 lambda: pisa_attn(q, k, v, block_size=16, backend="triton")):
+        with pytest.raises(ValueError, match="needs CUDA tensors.*TRITON_INTERPRET=1"):
             call()
 
 
@@ -137,6 +196,66 @@ def test_model_compiles_with_fullgraph(rng):
     torch.testing.assert_close(compiled, eager)
     compiled.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("at,row,why", [
+    ((0, 15, 1), [0, 1, 2, 4], "id = the block count: would read the next head's keys"),
+    ((0, 3, 0), [0, 0, -1, -1], "duplicate: would count block 0 twice"),
+    ((0, 9, 1), [0, 99999, -1, -1], "far out of range: crashed in the gather"),
+    ((0, 2, 0), [0, 1, -1, -1], "future block: query 2 is in block 0"),
+    ((0, 12, 0), [3, 1, -1, -1], "descending"),
+])
+@pytest.mark.parametrize("backend", ["torch", "naive"])
+def test_user_block_idx_values_are_checked(at, row, why, backend):
+    """``pisa_attn(..., block_idx=...)`` checks the values, not only dtype and shape: a bad row
+    is a ValueError naming block_idx and its (b, t, h), before any kernel runs."""
+    q, k, v = _qkv(Tq=16, Tk=16)
+    idx, _ = pisa_select(q, k, block_size=4, topk=4)
+    pisa_attn(q, k, v, block_size=4, block_idx=idx, backend=backend)
+    idx[at] = torch.tensor(row, dtype=torch.int32)
+    b, t, h = at
+    with pytest.raises(ValueError, match=rf"block_idx\[{b}, {t}, {h}\] = .*expected ascending"):
+        pisa_attn(q, k, v, block_size=4, block_idx=idx, backend=backend)
+
+
+def test_block_idx_check_traces_with_fullgraph(rng):
+    """Under torch.compile the value check is an async assert: no graph break, and a bad
+    selection still fails."""
+    torch._dynamo.reset()
+    q, k, v = _qkv(Tq=32, Tk=32)
+    idx, _ = pisa_select(q, k, block_size=8, topk=4)
+    f = torch.compile(lambda *a: pisa_attn(*a[:3], block_size=8, block_idx=a[3]),
+                      fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(q, k, v, idx), pisa_attn(q, k, v, block_size=8, block_idx=idx))
+    idx[0, 20, 1, 1] = idx[0, 20, 1, 0]
+    with pytest.raises(RuntimeError, match="block_idx is not a valid selection"):
+        f(q, k, v, idx)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+def test_non_finite_scale_is_rejected(scale):
+    q, k, v = _qkv(Tq=16, Tk=16)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        pisa_attn(q, k, v, block_size=4, topk=4, scale=scale)
+
+
+@pytest.mark.parametrize("lens,n_new", [([5, 41], 0), ([-1, 5], 0), (41, 0), (-3, 0),
+                                         ([38, 0], 3), (38, 3)])
+@pytest.mark.parametrize("seqlen_q", [1, 2])
+def test_caller_cache_seqlens_out_of_range_raise_on_cpu(lens, n_new, seqlen_q):
+    """Caller-owned lengths must lie in [0, max_seqlen - seqlen_new]: on CPU a ValueError naming
+    cache_seqlens (on CUDA an async device assert); before, they gave finite output."""
+    from pisa import PisaCache, pisa_attn_with_kvcache
+    cache = PisaCache(2, 40, 1, 16, block_size=8)
+    q = torch.randn(2, seqlen_q, 2, 16)
+    kv = [torch.randn(2, n_new, 1, 16) for _ in range(2)] if n_new else [None, None]
+    bad = torch.tensor(lens, dtype=torch.int32) if isinstance(lens, list) else lens
+    with pytest.raises(ValueError, match=rf"cache_seqlens.*\[0, 40 - {n_new}\]"):
+        pisa_attn_with_kvcache(q, cache, *kv, cache_seqlens=bad, topk=4, backend="torch")
+    assert not cache.cache_seqlens.any()  # nothing appended
+    ok = torch.tensor([40 - n_new, seqlen_q], dtype=torch.int32)
+    o = pisa_attn_with_kvcache(q, cache, *kv, cache_seqlens=ok, topk=4, backend="torch")
+    assert o.shape == q.shape
 
 
 # ------------------------------------------------------------------------------------------------

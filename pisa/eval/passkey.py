@@ -193,6 +193,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """The flags of this task the shared checks (``pisa.cli.check_flags``) leave:
+    ``ValueError("argument --flag: ...")``."""
+    if any(not 0 <= d <= 1 for d in args.depths):
+        raise ValueError(f"argument --depths: every depth must be in [0, 1], got {args.depths}")
+
+
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from .corpus import corpus, token_samples
     from ..results import write_result

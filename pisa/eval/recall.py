@@ -222,6 +222,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DEFAULT_LAYERS = [0, 6, 12, 18, 24, 29]
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """The flags of this task the shared checks (``pisa.cli.check_flags``) leave:
+    ``ValueError("argument --flag: ...")``."""
+    if args.layers is not None and args.layers != [-1] and any(i < 0 for i in args.layers):
+        raise ValueError(f"argument --layers: layer indices must be >= 0 (or '--layers -1' for "
+                         f"all), got {args.layers}")
+    if not 0 < args.target <= 1:
+        raise ValueError(f"argument --target: must be in (0, 1], got {args.target}")
+
+
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from .corpus import corpus, token_samples
     from ..results import write_result

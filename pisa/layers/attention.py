@@ -6,9 +6,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import pisa_attn
-from ..ops.utils.config import SelectConfig
+from ..ops.utils.config import SelectConfig, check_knobs
 
 ATTN_MODES = ("pisa", "dense")
+# The ``pisa_attn`` keyword arguments a layer forwards (``return_lse`` and ``block_idx`` depend on
+# the call, not the layer).
+PISA_KWARGS = ("block_size", "topk", "branching", "beam", "scorer", "selector",
+               "forced_in_budget", "scale", "deterministic", "backend")
 
 
 def rotary_tables(seqlen: int, head_dim: int, theta: float, device, offset: int = 0):
@@ -27,6 +31,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_pisa_kwargs(pisa_kwargs: dict) -> None:
+    """The layer's ``pisa_attn`` knobs, checked at construction as ``pisa_attn`` would check
+    them at the first long input."""
+    if "return_lse" in pisa_kwargs:
+        raise ValueError("return_lse is not a PisaAttention option: the layer returns hidden "
+                         "states [B, T, hidden_size]; for the log-normaliser call "
+                         "pisa_attn(*layer.qkv(x), return_lse=True)")
+    unknown = sorted(set(pisa_kwargs) - set(PISA_KWARGS))
+    if unknown:
+        raise TypeError(f"PisaAttention got unexpected keyword arguments {unknown}; the pisa_attn "
+                        f"options it takes are {PISA_KWARGS}")
+    deterministic = pisa_kwargs.get("deterministic", False)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    knobs = {name: value for name, value in pisa_kwargs.items() if name != "deterministic"}
+    check_knobs(**{"backend": "auto", **knobs})  # pisa_attn's default backend
+
+
 class PisaAttention(nn.Module):
     """Causal multi-head self-attention with GQA and RoPE whose core is ``pisa_attn``.
 
@@ -39,7 +68,12 @@ class PisaAttention(nn.Module):
         attn: ``"pisa"`` (default) or ``"dense"`` (SDPA, the quality baseline with the same
             weights).
         **pisa_kwargs: forwarded to ``pisa_attn`` (block_size, topk, branching, beam, scorer,
-            selector, forced_in_budget, backend).
+            selector, forced_in_budget, scale, deterministic, backend), checked here at
+            construction (``pisa.ops.utils.config.check_knobs``; with ``backend="auto"`` the
+            block size is bounded by the widest range, the torch one). ``scale`` (default
+            ``head_dim ** -0.5``) is the softmax scale on every path, SDPA included.
+            ``return_lse`` is refused: the layer returns hidden states (call
+            ``pisa_attn(*layer.qkv(x), return_lse=True)`` for the log-normaliser).
 
     While ``T <= topk * block_size`` every causal block fits in the budget, so PISA attends all of
     them: the layer computes that exact result with SDPA instead of selecting and gathering.
@@ -51,17 +85,26 @@ class PisaAttention(nn.Module):
                  head_dim: int | None = None, rope_theta: float = 10000.0, bias: bool = False,
                  attn: str = "pisa", **pisa_kwargs):
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
+        _check_positive("hidden_size", hidden_size)
+        _check_positive("num_heads", num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_positive("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
         if attn not in ATTN_MODES:
             raise ValueError(f"attn must be one of {ATTN_MODES}, got {attn!r}")
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = head_dim or hidden_size // num_heads
+        self.head_dim = hidden_size // num_heads if head_dim is None else head_dim
+        _check_positive("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if attn == "pisa" and self.head_dim > 256:
+            raise ValueError(f"head_dim must be <= 256 for attn='pisa', got {self.head_dim}")
+        _check_pisa_kwargs(pisa_kwargs)
         self.rope_theta, self.attn, self.pisa_kwargs = rope_theta, attn, pisa_kwargs
+        scale = pisa_kwargs.get("scale")
+        self.scale = None if scale is None else float(scale)  # SDPA's None is head_dim ** -0.5
         self.dense_up_to = (pisa_kwargs.get("topk", SelectConfig.topk)
                             * pisa_kwargs.get("block_size", SelectConfig.block_size))
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
@@ -84,7 +127,7 @@ class PisaAttention(nn.Module):
         if self.attn == "dense" or T <= self.dense_up_to:
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                enable_gqa=self.num_heads != self.num_kv_heads).transpose(1, 2)
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads).transpose(1, 2)
         else:
             o = pisa_attn(q, k, v, **self.pisa_kwargs)
         return self.o_proj(o.reshape(B, T, -1))

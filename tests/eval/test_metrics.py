@@ -21,7 +21,9 @@ def test_recall_of_oracle_is_one_and_excludes_forced_blocks(rng):
 def test_captured_mass_is_one_for_every_block_and_below_for_sparse(rng):
     q, k, _ = structured_qkv(1, 256, 4, 2, 16, block_size=16, seed=2)
     n = 16
-    every = torch.arange(n, dtype=torch.int32).expand(1, 256, 2, n).contiguous()
+    blocks = torch.arange(n, dtype=torch.int32)
+    causal = blocks <= (torch.arange(256) // 16)[:, None]  # pisa_attn rejects future blocks
+    every = torch.where(causal, blocks, -1)[None, :, None].expand(1, 256, 2, n).contiguous()
     assert math.isclose(captured_mass(q, k, every, 16), 1.0, rel_tol=1e-5)
     idx, _ = pisa_select(q, k, block_size=16, topk=4)
     assert 0.0 < captured_mass(q, k, idx, 16) < 1.0

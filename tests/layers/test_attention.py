@@ -63,3 +63,58 @@ def test_layer_rejects_bad_head_counts():
         PisaAttention(32, 4, 3)
     with pytest.raises(ValueError, match="attn must be"):
         PisaAttention(32, 4, 2, attn="flash")
+
+
+def test_scale_is_the_softmax_scale_on_every_path(rng):
+    """``scale`` reaches SDPA too: the shortcut (T <= topk * block_size) equals the sparse kernels
+    selecting every block at that scale, and ``attn="dense"`` uses it as well."""
+    layer = PisaAttention(32, 4, 2, block_size=8, topk=6, scale=0.3)
+    x = torch.randn(2, 48, 32)
+    with torch.no_grad():
+        o = pisa_attn(*layer.qkv(x), **layer.pisa_kwargs)
+        torch.testing.assert_close(layer(x), layer.o_proj(o.flatten(2)), rtol=1e-5, atol=1e-5)
+        default = PisaAttention(32, 4, 2, block_size=8, topk=6)
+        default.load_state_dict(layer.state_dict())
+        assert (default(x) - layer(x)).abs().max() > 1e-3, "the scale changes the output"
+        dense = PisaAttention(32, 4, 2, attn="dense", scale=0.3)
+        dense.load_state_dict(layer.state_dict())
+        torch.testing.assert_close(dense(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(selector="bogus"), ValueError, "selector must be one of"),
+    (dict(scorer="max"), ValueError, "scorer must be one of"),
+    (dict(topk=0), ValueError, "topk must be an int >= 3"),
+    (dict(topk=16.0), TypeError, "topk must be an int"),
+    (dict(beam=0), ValueError, "beam"),
+    (dict(beam=True), TypeError, "beam must be an int"),
+    (dict(block_size=48), ValueError, "block_size must be a power of two"),
+    (dict(block_size="64"), TypeError, "block_size must be an int"),
+    (dict(block_size=8, backend="triton"), ValueError, r"\[16, 128\] for backend 'triton'"),
+    (dict(branching=1), ValueError, "branching"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+    (dict(scale="0.1"), TypeError, "scale must be a real number or None"),
+    (dict(forced_in_budget="no"), TypeError, "forced_in_budget must be a bool"),
+    (dict(deterministic=1), TypeError, "deterministic must be a bool"),
+    (dict(topK=4), TypeError, r"unexpected keyword arguments \['topK'\]"),
+    (dict(return_lse=True), ValueError, "return_lse is not a PisaAttention option"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads must be >= 1"),
+    (dict(num_heads=0), ValueError, "num_heads must be >= 1"),
+    (dict(head_dim=0), ValueError, "head_dim must be >= 1"),
+    (dict(hidden_size=32.0), TypeError, "hidden_size must be an int"),
+], ids=lambda x: str(x)[:40])
+def test_layer_checks_every_knob_at_construction(kwargs, exc, msg):
+    """A bad knob fails where the layer is built, with the library's own checks, not at the first
+    input longer than ``topk * block_size``."""
+    args = dict(hidden_size=32, num_heads=4, num_kv_heads=2)
+    args.update(kwargs)
+    with pytest.raises(exc, match=msg):
+        PisaAttention(**args)
+
+
+def test_layer_accepts_every_good_knob():
+    layer = PisaAttention(32, 4, None, block_size=8, topk=4, branching=4, beam=8, scorer="mean",
+                          selector="auto", forced_in_budget=False, scale=1, deterministic=True,
+                          backend="auto")
+    assert layer.num_kv_heads == 4 and layer.scale == 1.0
+    assert layer(torch.randn(1, 40, 32)).shape == (1, 40, 32)  # sparse: 40 > 4 * 8

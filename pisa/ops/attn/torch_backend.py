@@ -72,7 +72,7 @@ def _logits(qg, kb, ch, scale):
     """Masked logits ``[n_groups, size, G, C]`` of each slot's query heads against its block."""
     ng, P, G, D = qg.shape
     z = torch.bmm(qg.view(ng, P * G, D), kb[ch.pg.block].transpose(1, 2)) * scale
-    return z.view(ng, P, G, -1).masked_fill_(~ch.mask, -math.inf)
+    return z.view(ng, P, G, kb.shape[1]).masked_fill_(~ch.mask, -math.inf)
 
 
 def _chunks(q, k, block_idx):
@@ -94,27 +94,30 @@ def attn_fwd_torch(q, k, v, block_idx, block_size, scale):
     for s, e in _chunks(q, k, block_idx):
         ch = _chunk(block_idx, s, e, Tq, Tk, N, block_size)
         z = _logits(_rows(q.to(ct), ch, s, e), kb, ch, scale)  # [ng, P, G, C]
+        # a group that sees no key has m = -inf: shift it by 0 (p = 0). A NaN or +inf logit
+        # (NaN / Inf input, overflow) keeps its NaN through the shift, as dense attention does.
         m = z.amax(-1)
-        m = torch.where(torch.isfinite(m), m, -math.inf)
-        p = torch.exp(z - torch.where(torch.isfinite(m), m, 0.0)[..., None])
-        part = torch.bmm(p.view(ch.pg.n_groups, -1, block_size), vb[ch.pg.block])
+        p = torch.exp(z - torch.where(m == -math.inf, 0.0, m)[..., None])
+        ng = ch.pg.n_groups  # explicit view sizes: a chunk without any pair has ng = 0
+        part = torch.bmm(p.view(ng, PAIRS_PER_GROUP * G, block_size), vb[ch.pg.block])
         # merge the partial softmaxes of each query row's blocks
         top = torch.full((ch.n_rows + 1, G), -math.inf, dtype=ct, device=q.device)
         top.scatter_reduce_(0, ch.row[:, None].expand(-1, G), m.view(-1, G), "amax")
-        w = torch.exp(m.view(-1, G) - torch.where(torch.isfinite(top), top, 0.0)[ch.row])
+        w = torch.exp(m.view(-1, G) - torch.where(top == -math.inf, 0.0, top)[ch.row])
         den = torch.zeros_like(top).index_add_(0, ch.row, w * p.sum(-1).view(-1, G))
         num = torch.zeros(ch.n_rows + 1, G, D, dtype=ct, device=q.device)
         num.index_add_(0, ch.row, w[..., None] * part.view(-1, G, D))
-        ok = den[:-1] > 0
-        out = torch.where(ok[..., None], num[:-1] / torch.where(ok, den[:-1], 1.0)[..., None], 0.0)
+        # den = 0: the row saw no key (o = 0, lse = -inf); a NaN den stays NaN in o and lse
+        no_key = den[:-1] == 0
+        out = num[:-1] / torch.where(no_key, 1.0, den[:-1])[..., None]
         o[:, s:e] = out.view(B, e - s, HQ, D).to(q.dtype)
-        lse[:, s:e] = torch.where(ok, top[:-1] + den[:-1].log(), -math.inf).view(B, e - s, HQ)
+        lse[:, s:e] = torch.where(no_key, -math.inf, top[:-1] + den[:-1].log()).view(B, e - s, HQ)
     return o, lse.transpose(1, 2).contiguous()
 
 
 def attn_bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale):
     B, Tq, HQ, D = q.shape
-    Tk = k.shape[1]
+    Tk, G = k.shape[1], HQ // k.shape[2]
     N = cdiv(Tk, block_size)
     ct = compute_dtype(q)
     kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)
@@ -130,15 +133,15 @@ def attn_bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale):
         qg, dog = _rows(q.to(ct), ch, s, e), _rows(do.to(ct), ch, s, e)
         lse_g = _rows(torch.where(torch.isfinite(lse), lse, 0.0), ch, s, e)
         p = torch.exp(_logits(qg, kb, ch, scale) - lse_g)  # [ng, P, G, C]
-        dp = torch.bmm(dog.view(ng, -1, D), vb[ch.pg.block].transpose(1, 2)).view_as(p)
+        dp = torch.bmm(dog.view(ng, P * G, D), vb[ch.pg.block].transpose(1, 2)).view_as(p)
         ds = p * (dp - _rows(delta, ch, s, e)) * scale
-        dqg = torch.bmm(ds.view(ng, -1, block_size), kb[ch.pg.block]).view_as(qg)
+        dqg = torch.bmm(ds.view(ng, P * G, block_size), kb[ch.pg.block]).view_as(qg)
         dq_rows = torch.zeros(ch.n_rows + 1, *qg.shape[2:], dtype=ct, device=q.device)
         dq_rows.index_add_(0, ch.row, dqg.view(ng * P, *qg.shape[2:]))
         dq[:, s:e] = dq_rows[:-1].view(B, e - s, HQ, D)
-        dkb.index_add_(0, ch.pg.block,
-                       torch.bmm(ds.view(ng, -1, block_size).transpose(1, 2), qg.view(ng, -1, D)))
-        dvb.index_add_(0, ch.pg.block,
-                       torch.bmm(p.view(ng, -1, block_size).transpose(1, 2), dog.view(ng, -1, D)))
+        dkb.index_add_(0, ch.pg.block, torch.bmm(ds.view(ng, P * G, block_size).transpose(1, 2),
+                                                 qg.view(ng, P * G, D)))
+        dvb.index_add_(0, ch.pg.block, torch.bmm(p.view(ng, P * G, block_size).transpose(1, 2),
+                                                 dog.view(ng, P * G, D)))
     return (dq.to(q.dtype), _unblocked(dkb, k.shape).to(k.dtype).contiguous(),
             _unblocked(dvb, v.shape).to(v.dtype).contiguous())

@@ -59,6 +59,32 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor
     return offsets
 
 
+def check_seqlens(cache_seqlens: torch.Tensor | int, max_seqlen: int, n_new: int = 0) -> None:
+    """Check caller-owned lengths (``cache_seqlens`` given to ``pisa_attn_with_kvcache``), as
+    they stand before an append of ``n_new`` keys: each must lie in ``[0, max_seqlen - n_new]``.
+
+    An int or a CPU tensor: ``ValueError`` naming the first bad length. A CUDA tensor: an
+    asynchronous device assert (``torch._assert_async``), so the step adds no host sync and stays
+    capturable in a CUDA graph; a violation then surfaces as a device-side assert (a CUDA error
+    at the next synchronisation, which leaves the CUDA context unusable, as an out-of-bounds
+    index does).
+    """
+    hi = max_seqlen - n_new
+    what = f"in [0, max_seqlen - seqlen_new] = [0, {max_seqlen} - {n_new}]"
+    if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= hi:
+            raise ValueError(f"cache_seqlens must be {what}, got {cache_seqlens}")
+        return
+    ok = (cache_seqlens >= 0) & (cache_seqlens <= hi)
+    if cache_seqlens.device.type == "cpu":
+        if not bool(ok.all()):
+            b = int((~ok).nonzero()[0, 0])
+            raise ValueError(f"cache_seqlens must be {what}, got cache_seqlens[{b}] = "
+                             f"{int(cache_seqlens[b])}")
+    else:
+        torch._assert_async(ok.all(), f"pisa: cache_seqlens must be {what}")
+
+
 def check_new_kv(k_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
     """Validate keys and values to append to ``k_cache [B, T_max, HKV, D]`` (metadata only)."""
     B, T, H, D = k_cache.shape

@@ -103,6 +103,8 @@ def _attend(qs, k_cache, v_cache, block_idx, t_abs, block_size, out_dtype):
     z = torch.einsum("bhgd,bhnd->bhgn", qs[:, 0], keys.flatten(2, 3).to(qs.dtype))
     z = z.masked_fill_(~mask[:, :, None, :], -math.inf)
     lse = torch.logsumexp(z, dim=-1)  # [B, H, G]; -inf for a sequence with no key
-    p = torch.exp(z - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    # shift only empty rows by 0: a NaN or +inf lse (NaN / Inf input) makes o NaN, as in dense
+    # attention
+    p = torch.exp(z - torch.where(lse == -math.inf, 0.0, lse)[..., None])
     o = torch.einsum("bhgn,bhnd->bhgd", p, vals)
     return o.reshape(B, 1, H * G, D).to(out_dtype), lse.reshape(B, H * G, 1).float()

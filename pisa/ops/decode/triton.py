@@ -260,7 +260,8 @@ def _decode_kernel(
 def _combine_kernel(p_po, p_plse, p_o, p_lse, HQ, s_ob, s_oh,
                     SPLITS: tl.constexpr, SPP: tl.constexpr, D: tl.constexpr):
     """Merge the ``SPLITS`` partials ``[B, HQ, SPLITS, D]`` of head ``i_q`` of sequence ``i_b`` by
-    their LSE (splits without a key have ``lse = -inf`` and weigh 0)."""
+    their LSE (splits without a key have ``lse = -inf`` and weigh 0; a NaN split makes the sum,
+    hence ``o`` and ``lse``, NaN)."""
     i_b, i_q = tl.program_id(0), tl.program_id(1)
     o_sp = tl.arange(0, SPP)
     m_sp = o_sp < SPLITS
@@ -271,11 +272,12 @@ def _combine_kernel(p_po, p_plse, p_o, p_lse, HQ, s_ob, s_oh,
     b_w = tl.exp(b_lse - b_shift)
     b_sum = tl.sum(b_w, axis=0)
     b_po = load_rows(p_po, (row + o_sp).to(tl.int64) * D, m_sp & (b_w > 0), D)
-    b_o = tl.sum(b_w[:, None] * b_po, axis=0) / tl.where(b_sum > 0, b_sum, 1.)
+    b_sum_safe = tl.where(b_sum == 0, 1., b_sum)  # 0: no split saw a key; NaN stays NaN
+    b_o = tl.sum(b_w[:, None] * b_po, axis=0) / b_sum_safe
     o_d = tl.arange(0, D)
     tl.store(p_o + i_b.to(tl.int64) * s_ob + i_q * s_oh + o_d, b_o.to(p_o.dtype.element_ty))
-    b_lse_o = b_shift + tl.log(tl.where(b_sum > 0, b_sum, 1.))
-    tl.store(p_lse + i_b * HQ + i_q, tl.where(b_sum > 0, b_lse_o, float("-inf")))
+    b_lse_o = b_shift + tl.log(b_sum_safe)
+    tl.store(p_lse + i_b * HQ + i_q, tl.where(b_sum == 0, float("-inf"), b_lse_o))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ ops below take it resolved and never check or default a knob again.
 from __future__ import annotations
 
 import importlib.util
+import math
+import numbers
+import os
 from dataclasses import astuple, dataclass
 
 import torch
@@ -66,24 +69,77 @@ def default_scale(head_dim: int) -> float:
     return head_dim ** -0.5
 
 
+def _check_int(name: str, value) -> None:
+    """``TypeError`` naming ``name`` unless ``value`` is a Python int (``bool`` is not one)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
 def check_geometry(block_size: int, branching: int, backend: str = "torch") -> None:
     """Check the pyramid geometry (leaf block size ``C``, branching factor ``g``) for a resolved
     ``backend`` (``"torch"``: the widest range, for objects made before a backend is known)."""
     lo, hi = BLOCK_SIZES[backend]
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < lo \
-            or block_size > hi or block_size & (block_size - 1):
+    _check_int("block_size", block_size)
+    if block_size < lo or block_size > hi or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two in [{lo}, {hi}] for backend "
                          f"{backend!r}, got {block_size!r}")
-    if not isinstance(branching, int) or isinstance(branching, bool) or branching < 2:
+    _check_int("branching", branching)
+    if branching < 2:
         raise ValueError(f"branching must be an int >= 2, got {branching!r}")
 
 
+def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = SelectConfig.topk,
+                branching: int = SelectConfig.branching, beam: int | None = None,
+                scorer: str = SelectConfig.scorer, selector: str = SelectConfig.selector,
+                forced_in_budget: bool = SelectConfig.forced_in_budget,
+                scale: float | None = None, backend: str = "torch") -> None:
+    """Check the selection knobs without tensors (``resolve_config`` runs this first; objects made
+    before their inputs exist, such as ``PisaAttention``, run it at construction): a
+    ``TypeError`` naming a knob of the wrong type, a ``ValueError`` naming one out of range.
+    ``backend`` is checked to be one of ``BACKENDS``; ``"auto"`` bounds ``block_size`` by the
+    widest (torch) range, as the device that decides is not known yet."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_geometry(block_size, branching, "torch" if backend == "auto" else backend)
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
+    if selector not in SELECTORS:
+        raise ValueError(f"selector must be one of {SELECTORS}, got {selector!r}")
+    if not isinstance(forced_in_budget, bool):
+        raise TypeError(f"forced_in_budget must be a bool, got {forced_in_budget!r} "
+                        f"({type(forced_in_budget).__name__})")
+    _check_int("topk", topk)
+    min_topk = MAX_FORCED if forced_in_budget else 1
+    if topk < min_topk:
+        raise ValueError(
+            f"topk must be an int >= {min_topk} (the {MAX_FORCED} forced blocks count inside the "
+            f"budget when forced_in_budget=True), got {topk!r}")
+    if beam is not None:
+        _check_int("beam", beam)
+        if beam < 1:
+            raise ValueError(f"beam must be a positive int or None, got {beam!r}")
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise TypeError(f"scale must be a real number or None, got {scale!r} "
+                        f"({type(scale).__name__})")
+
+
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """``"auto"`` -> ``"triton"`` on CUDA when Triton is installed, else ``"torch"``."""
+    """``"auto"`` -> ``"triton"`` on CUDA when Triton is installed, else ``"torch"``.
+    ``"triton"`` needs Triton installed, and CUDA tensors unless ``TRITON_INTERPRET=1`` (Triton's
+    CPU interpreter, for tests: it must be set before the first Triton call)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if q.is_cuda and HAS_TRITON else "torch"
+    if backend == "triton":
+        if not HAS_TRITON:
+            raise ValueError("backend='triton' needs Triton (pip install triton); use "
+                             "backend='torch' or 'auto'")
+        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors, got q on {q.device}; use backend='torch' "
+                "or 'auto' on the CPU, or set TRITON_INTERPRET=1 (before the first Triton call) "
+                "to run the Triton kernels in Triton's CPU interpreter (slow, for tests)")
     return backend
 
 
@@ -95,23 +151,16 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
                    scale: float | None = None) -> SelectConfig:
     """Check the selection knobs for the resolved ``backend`` and fill in defaults (``beam``:
     ``topk``; ``scale``: ``D ** -0.5``; ``selector="auto"`` by ``k``'s length); raise
-    ``ValueError`` naming the bad one."""
-    check_geometry(block_size, branching, backend)
-    if scorer not in SCORERS:
-        raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
-    if selector not in SELECTORS:
-        raise ValueError(f"selector must be one of {SELECTORS}, got {selector!r}")
-    min_topk = MAX_FORCED if forced_in_budget else 1
-    if not isinstance(topk, int) or topk < min_topk:
-        raise ValueError(
-            f"topk must be an int >= {min_topk} (the {MAX_FORCED} forced blocks count inside the "
-            f"budget when forced_in_budget=True), got {topk!r}")
+    ``ValueError`` (or ``TypeError``, for a knob of the wrong type) naming the bad one."""
+    check_knobs(block_size=block_size, topk=topk, branching=branching, beam=beam, scorer=scorer,
+                selector=selector, forced_in_budget=forced_in_budget, scale=scale,
+                backend=backend)
     if beam is None:
         beam = topk
-    if not isinstance(beam, int) or beam < 1:
-        raise ValueError(f"beam must be a positive int or None, got {beam!r}")
     if scale is None:
         scale = default_scale(q.shape[-1])
+    elif not math.isfinite(scale):  # a real number (check_knobs): NaN / Inf would zero rows
+        raise ValueError(f"scale must be finite or None, got {scale!r}")
     if selector == "auto":
         selector = "flat_lse" if k.shape[1] < AUTO_CROSSOVER_T else "pyramid"
     return SelectConfig(block_size, topk, branching, beam, scorer, selector,
@@ -119,7 +168,9 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
 
 
 def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
-    """Validate the FlashAttention layout ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, HKV, D]``."""
+    """Validate the FlashAttention layout ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, HKV, D]``. Zero-size
+    batches (``B = 0`` or ``Tq = 0``) pass (the ops return empty results); zero heads or a zero
+    head dim do not."""
     named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
     for name, x in named:
         if not isinstance(x, torch.Tensor):
@@ -144,16 +195,23 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) ->
     if Tq > Tk:
         raise ValueError(f"q has {Tq} tokens but k only {Tk}: queries are the tail of the keys "
                          "(bottom-right causal alignment), so Tq <= Tk is required")
-    if HKV < 1 or HQ % HKV:
+    if HQ < 1:
+        raise ValueError(f"q must have at least one head (HQ >= 1), got shape {tuple(q.shape)}")
+    if HKV < 1:
+        raise ValueError(f"k must have at least one head (HKV >= 1), got shape {tuple(k.shape)}")
+    if HQ % HKV:
         raise ValueError(f"q heads ({HQ}) must be a multiple of k heads ({HKV}) for GQA")
     if D < 1 or D > 256:
-        raise ValueError(f"head dim must be in [1, 256], got {D}")
+        raise ValueError(f"q head dim D must be in [1, 256], got {D} (q shape {tuple(q.shape)})")
     if v is not None and v.shape != k.shape:
         raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
 
 
-def check_block_idx(block_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-    """Validate user-given block indices ``[B, Tq, HKV, S]`` int32."""
+def check_block_idx(block_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    block_size: int) -> None:
+    """Validate user-given block indices ``[B, Tq, HKV, S]`` int32: their dtype, shape and device,
+    then their values (``check_block_idx_values``). Selections the library makes are trusted and
+    never pass through here."""
     if not isinstance(block_idx, torch.Tensor):
         raise TypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
     if block_idx.dtype != torch.int32:
@@ -164,3 +222,44 @@ def check_block_idx(block_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -
                          f"{want[2]}, S], got {tuple(block_idx.shape)}")
     if block_idx.device != q.device:
         raise ValueError(f"block_idx is on {block_idx.device} but q is on {q.device}")
+    check_block_idx_values(block_idx, k.shape[1], block_size)
+
+
+def check_block_idx_values(block_idx: torch.Tensor, n_keys: int, block_size: int) -> None:
+    """Check the values of a selection ``block_idx [B, Tq, HKV, S]`` over ``n_keys`` keys in blocks
+    of ``block_size`` (queries are the last ``Tq`` positions): each row lists valid block ids
+    first, strictly ascending (no duplicates), each in ``[0, cdiv(n_keys, block_size))`` and
+    causal (query ``t`` at position ``n_keys - Tq + t`` lists only blocks that start at or before
+    it), then ``-1`` padding only (a row of ``-1`` alone attends to no key: ``o = 0``,
+    ``lse = -inf``). Raise ``ValueError`` naming the first bad row ``(b, t, h)``.
+
+    Cost: one elementwise pass and one reduction over the ``B * Tq * HKV * S`` entries (no
+    ``[T, T]`` or ``[T, N/C]`` temporaries), and one host sync: ``bool()`` of the result waits for
+    the device. Only user-given selections pay it (``pisa_attn(..., block_idx=...)``). Under
+    ``torch.compile`` the check is an asynchronous assert instead (no graph break; a violation
+    raises a RuntimeError without naming the row, or a device-side assert on CUDA).
+    """
+    B, Tq, H, S = block_idx.shape
+    if block_idx.numel() == 0:
+        return
+    # the last block a query may list: its own (the causal limit, always < the block count)
+    last = (torch.arange(n_keys - Tq, n_keys, device=block_idx.device) // block_size).to(
+        torch.int32)[None, :, None, None]
+    bad = (block_idx < -1) | (block_idx > last)
+    if S > 1:  # a valid id must follow a valid, smaller id
+        prev, nxt = block_idx[..., :-1], block_idx[..., 1:]
+        bad[..., 1:] |= (nxt >= 0) & ((prev < 0) | (nxt <= prev))
+    if torch.compiler.is_compiling():  # traced: an async assert, no data-dependent branch
+        torch._assert_async(~bad.any(), "block_idx is not a valid selection (ascending block "
+                            "ids without duplicates, in range and causal, then -1 padding)")
+        return
+    if not bool(bad.any()):
+        return
+    b, t, h = (int(i) for i in bad.any(-1).nonzero()[0])
+    row = block_idx[b, t, h].tolist()
+    pos, n_blocks = n_keys - Tq + t, -(-n_keys // block_size)
+    raise ValueError(
+        f"block_idx[{b}, {t}, {h}] = {row} is not a valid selection: expected ascending block ids "
+        f"without duplicates, each in [0, {n_blocks}) and causal (query {t} sits at key position "
+        f"{pos}, so ids <= {pos // block_size} with block_size={block_size}), then -1 padding "
+        f"only at the end")

@@ -18,6 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import patch_interpreter
+
+patch_interpreter()  # TRITON_INTERPRET=1 on NumPy >= 2.4, before any kernel of this package runs
+
 LOG2E = math.log2(math.e)
 # kernels work in base 2 (exp2 is the native instruction); lse is stored in natural log
 LN2_K: tl.constexpr = tl.constexpr(math.log(2.0))
@@ -101,7 +105,8 @@ def online_softmax_step(b_s, b_v, b_m, b_l, b_acc, F32_PREC: tl.constexpr):
     tile's masked logits in log2 units (-inf where a key is not seen), ``b_v [N, D]`` its values.
     """
     b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-    # rows that have seen no key yet keep -inf; shift them by 0 so exp2 gives 0, not nan
+    # rows that have seen no key yet keep -inf; shift them by 0 so exp2 gives 0, not nan (a NaN
+    # or +inf logit still makes b_p, hence b_l, NaN: ``softmax_output`` keeps it)
     b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
     b_p = tl.exp2(b_s - b_shift[:, None])
     b_alpha = tl.exp2(b_m - b_shift)
@@ -113,9 +118,11 @@ def online_softmax_step(b_s, b_v, b_m, b_l, b_acc, F32_PREC: tl.constexpr):
 @triton.jit
 def softmax_output(b_m, b_l, b_acc):
     """The normalised output ``[M, D]`` and natural-log LSE ``[M]`` of an online softmax
-    (``o = 0``, ``lse = -inf`` for a row that saw no key)."""
-    b_l_safe = tl.where(b_l > 0, b_l, 1.0)
-    b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l_safe)) * LN2_K, float("-inf"))
+    (``o = 0``, ``lse = -inf`` for a row that saw no key: ``b_l == 0``). A NaN or +inf logit
+    (NaN / Inf input, overflow) leaves ``b_l`` NaN, which stays NaN in ``o`` and ``lse``, as in
+    dense attention (``b_l > 0`` would read it as "no key" and return zeros)."""
+    b_l_safe = tl.where(b_l == 0, 1.0, b_l)
+    b_lse = tl.where(b_l == 0, float("-inf"), (b_m + tl.log2(b_l_safe)) * LN2_K)
     return b_acc / b_l_safe[:, None], b_lse
 
 

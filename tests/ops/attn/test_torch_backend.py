@@ -120,3 +120,14 @@ def test_outputs_are_poisoned_then_fully_written(rng, monkeypatch):
         o, lse = attn_fwd_torch(q, k, v, idx, C, 0.25)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     assert bool((o[0, 5] == 0).all()) and bool((lse[0, :, 5] == -math.inf).all())
+
+
+def test_selection_of_padding_only_attends_to_nothing(rng):
+    """Every row -1 (a chunk with no (query, block) pair at all; it crashed on a view of zero
+    elements): o = 0, lse = -inf and zero gradients, as the oracle gives."""
+    q, k, v = _inputs(1, 20, 30, 2, 2, 16)
+    idx = torch.full((1, 20, 2, 3), -1, dtype=torch.int32)
+    o, lse = sparse_attn(q, k, v, idx, 8, 0.25, "torch")
+    assert (o == 0).all() and torch.isneginf(lse).all()
+    for g in torch.autograd.grad(o, (q, k, v), torch.randn_like(o)):
+        assert (g == 0).all()

@@ -106,3 +106,30 @@ def test_decode_step_dispatches(selector, scorer, rng):
         o, lse = decode_step(*(x.to(dev) for x in (q, k, v, sums, lens)), cfg, backend)
         torch.testing.assert_close(o.cpu(), want[0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(lse.cpu(), want[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy NaN warnings, in the interpreter
+def test_decode_propagates_nan_and_keeps_empty_sequences_empty(rng):
+    """A NaN query head gives NaN in that head only; a NaN or Inf key the query attends (its own
+    block, always selected) gives NaN in every head; an empty sequence (cache_seqlens = 0) still
+    gives o = 0, lse = -inf. Torch and Triton (one split, and several merged by the combine
+    kernel) alike; before, the Triton rows came out with lse = -inf."""
+    cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=2, scale=0.25)
+    seqlens = [0, 70, 100, 90]
+    q, k, v, sums, lens = make_cache(4, 128, 1, 2, 16, seqlens, 16, 2, seed=rng)
+    q[1, 0, 1, 3] = float("nan")
+    k[2, 97, 0, 2] = float("nan")  # the query's own block (96..99)
+    k[3, 89, 0] = float("inf")  # the query's own key
+    runs = [lambda: decode_step(q, k, v, sums, lens, cfg, "torch")]
+    if HAS_TRITON:
+        from pisa.ops.decode.triton import decode_triton
+        dev = "cpu" if INTERPRET else "cuda"
+        args = [x.to(dev) for x in (q, k, v, sums, lens)]
+        runs += [lambda s=s: decode_triton(*args, cfg, num_splits=s) for s in (1, 4)]
+    want = torch.tensor([[False, False], [False, True], [True, True], [True, True]])
+    for run in runs:
+        o, lse = (x.cpu() for x in run())
+        assert torch.equal(o[:, 0].isnan().any(-1), want)
+        assert torch.equal(lse[..., 0].isnan(), want)
+        assert (o[0] == 0).all() and torch.isneginf(lse[0]).all()
+        assert torch.isfinite(o[1, 0, 0]).all() and torch.isfinite(lse[1, 0]).all()

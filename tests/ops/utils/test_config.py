@@ -1,10 +1,13 @@
 """``pisa.ops.utils.config``: defaults, the one block-size table, and resolution of the knobs."""
+import math
+import re
+
 import pytest
 import torch
 
 from pisa.ops.utils.config import (AUTO_CROSSOVER_T, BLOCK_SIZES, MAX_FORCED, SelectConfig,
-                                   check_block_idx, check_geometry, resolve_backend,
-                                   resolve_config)
+                                   check_block_idx, check_block_idx_values, check_geometry,
+                                   resolve_backend, resolve_config)
 
 
 def _qk(T=64, D=16):
@@ -39,9 +42,12 @@ def test_one_block_size_table_per_backend(backend):
         assert resolve_config(q, k, backend, block_size=C).block_size == C
         check_geometry(C, 2, backend)
         C *= 2
-    for bad in (lo // 2, hi * 2, lo + 1 if lo > 2 else 3, 48, True, 16.0):
+    for bad in (lo // 2, hi * 2, lo + 1 if lo > 2 else 3, 48):
         with pytest.raises(ValueError, match=f"block_size must be a power of two in "
                                              rf"\[{lo}, {hi}\] for backend '{backend}'"):
+            resolve_config(q, k, backend, block_size=bad)
+    for bad in (True, 16.0, "64"):
+        with pytest.raises(TypeError, match="block_size must be an int"):
             resolve_config(q, k, backend, block_size=bad)
 
 
@@ -56,17 +62,17 @@ def test_triton_bounds_are_those_of_every_triton_op():
 
 
 @pytest.mark.parametrize("knobs,msg", [
-    (dict(branching=1), "branching"), (dict(branching=2.0), "branching"),
-    (dict(scorer="max"), "scorer"), (dict(selector="random"), "selector"),
-    (dict(topk=2), "topk must be an int >= 3"), (dict(topk=0, forced_in_budget=False), ">= 1"),
-    (dict(beam=0), "beam"), (dict(beam=2.5), "beam")])
+    (dict(branching=1), "branching"), (dict(scorer="max"), "scorer"),
+    (dict(selector="random"), "selector"), (dict(topk=2), "topk must be an int >= 3"),
+    (dict(topk=0, forced_in_budget=False), ">= 1"), (dict(beam=0), "beam")])
 def test_resolve_rejects_bad_knobs(knobs, msg):
     q, k = _qk()
     with pytest.raises(ValueError, match=msg):
         resolve_config(q, k, "torch", **knobs)
 
 
-def test_resolve_backend():
+def test_resolve_backend(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton on CPU tensors: the interpreter
     q = torch.randn(1, 4, 2, 8)
     assert resolve_backend("auto", q) == "torch"  # a CPU tensor
     assert [resolve_backend(b, q) for b in ("torch", "triton", "naive")] == \
@@ -77,10 +83,133 @@ def test_resolve_backend():
 
 def test_check_block_idx():
     q, k = _qk(T=16)
-    check_block_idx(torch.zeros(1, 16, 2, 3, dtype=torch.int32), q, k)
+    sink_only = torch.tensor([0, -1, -1], dtype=torch.int32).expand(1, 16, 2, 3)
+    check_block_idx(sink_only, q, k, 8)
     with pytest.raises(TypeError, match="int32"):
-        check_block_idx(torch.zeros(1, 16, 2, 3, dtype=torch.int64), q, k)
+        check_block_idx(sink_only.long(), q, k, 8)
     with pytest.raises(ValueError, match=r"\[B, Tq, HKV, S\]"):
-        check_block_idx(torch.zeros(1, 16, 4, 3, dtype=torch.int32), q, k)
+        check_block_idx(torch.zeros(1, 16, 4, 3, dtype=torch.int32), q, k, 8)
     with pytest.raises(TypeError, match="torch.Tensor"):
-        check_block_idx([[0]], q, k)
+        check_block_idx([[0]], q, k, 8)
+
+
+def _valid_selection():
+    """``[2, 6, 2, 4]`` over 22 keys in blocks of 4 (6 blocks; queries at positions 16..21, in
+    blocks 4 and 5): every row ascending, causal, -1 padded; some rows of -1 only."""
+    idx = torch.tensor([0, 2, 4, -1], dtype=torch.int32).repeat(2, 6, 2, 1)
+    idx[0, 5, 1] = torch.tensor([1, 3, 4, 5])  # the last query reaches the last block
+    idx[1, 2] = -1  # attends to no key: allowed (o = 0, lse = -inf)
+    return idx
+
+
+# (entry, row written there, what the message names)
+BAD_ROWS = [
+    ((1, 3, 0), [0, 2, 6, -1], "block id = the block count (reads the next head's keys)"),
+    ((0, 0, 1), [0, 2, 400, -1], "far out of range"),
+    ((0, 4, 0), [-2, 0, 1, -1], "below -1"),
+    ((1, 0, 1), [0, 2, 2, -1], "duplicate"),
+    ((0, 2, 1), [0, 3, 2, -1], "descending"),
+    ((1, 5, 0), [0, -1, 3, -1], "-1 before a valid id"),
+    ((0, 1, 0), [0, 2, 5, -1], "future block: query 1 sits at 17, block 5 starts at 20"),
+]
+
+
+@pytest.mark.parametrize("at,row,why", BAD_ROWS, ids=[b[2] for b in BAD_ROWS])
+def test_check_block_idx_rejects_bad_values(at, row, why):
+    """Range, strict ascending order with -1 only at the end, and causality, each named with the
+    first bad (b, t, h) row; valid rows (``-1`` alone included) pass."""
+    q, k = torch.randn(2, 6, 4, 16), torch.randn(2, 22, 2, 16)
+    idx = _valid_selection()
+    check_block_idx(idx, q, k, 4)
+    idx[at] = torch.tensor(row, dtype=torch.int32)
+    b, t, h = at
+    with pytest.raises(ValueError, match=rf"block_idx\[{b}, {t}, {h}\] = "
+                                         rf"{re.escape(str(row))}.*ascending.*\[0, 6\).*causal"):
+        check_block_idx(idx, q, k, 4)
+    # a second bad row later in the tensor: the first is still the one named
+    idx[1, 5, 1] = 7
+    with pytest.raises(ValueError, match=rf"block_idx\[{b}, {t}, {h}\]"):
+        check_block_idx(idx, q, k, 4)
+
+
+def test_check_block_idx_values_edge_shapes():
+    """Zero-size selections and one-slot rows pass without error; causality is per query."""
+    check_block_idx_values(torch.zeros(0, 5, 2, 3, dtype=torch.int32), 10, 4)
+    check_block_idx_values(torch.zeros(1, 5, 2, 0, dtype=torch.int32), 10, 4)
+    one = torch.tensor([[0], [1], [1], [2]], dtype=torch.int32).view(1, 4, 1, 1)
+    check_block_idx_values(one, 12, 4)  # queries at 8..11: blocks <= 2
+    check_block_idx_values(one[:, :2], 6, 4)  # queries at 4, 5: blocks <= 1
+    with pytest.raises(ValueError, match=r"block_idx\[0, 0, 0\] = \[1\].*ids <= 0"):
+        check_block_idx_values(one[:, 1:2], 4, 4)  # one query at position 3: block 0 only
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf])
+def test_resolve_rejects_non_finite_scale(scale):
+    """A NaN / Inf scale would turn every row into NaN (or, before, into silent zeros)."""
+    q, k = _qk()
+    with pytest.raises(ValueError, match="scale must be finite"):
+        resolve_config(q, k, "torch", scale=scale)
+    assert resolve_config(q, k, "torch", scale=0.0).scale == 0.0
+
+
+@pytest.mark.parametrize("knobs,name,want", [
+    (dict(scale="0.1"), "scale", "a real number or None"), (dict(scale=True), "scale", "a real"),
+    (dict(scale=torch.tensor(0.1)), "scale", "a real number"),
+    (dict(forced_in_budget="no"), "forced_in_budget", "a bool"),
+    (dict(forced_in_budget=1), "forced_in_budget", "a bool"),
+    (dict(topk=16.0), "topk", "an int"), (dict(block_size="64"), "block_size", "an int"),
+    (dict(beam=True), "beam", "an int"), (dict(beam=2.5), "beam", "an int"),
+    (dict(branching=2.0), "branching", "an int")], ids=lambda x: str(x)[:30])
+def test_wrong_types_are_type_errors_naming_the_knob(knobs, name, want):
+    """No knob goes through ``float()`` / ``bool()``: ``"0.1"`` or ``"no"`` is a ``TypeError``."""
+    q, k = _qk()
+    with pytest.raises(TypeError, match=f"{name} must be {want}"):
+        resolve_config(q, k, "torch", **knobs)
+
+
+def test_check_knobs_needs_no_tensors():
+    """``check_knobs`` is ``resolve_config``'s check without inputs (for objects made before
+    them); ``"auto"`` bounds the block size by the widest range."""
+    from pisa.ops.utils.config import check_knobs
+    check_knobs()
+    check_knobs(block_size=256, topk=3, beam=None, scale=1, backend="auto")
+    check_knobs(block_size=16, topk=1, forced_in_budget=False, scale=0.5, backend="triton")
+    for knobs, exc, msg in [
+            (dict(block_size=256, backend="triton"), ValueError, r"\[16, 128\]"),
+            (dict(backend="bogus"), ValueError, "backend must be one of"),
+            (dict(selector="bogus"), ValueError, "selector"),
+            (dict(topk=0), ValueError, "topk"), (dict(scale="0.1"), TypeError, "scale")]:
+        with pytest.raises(exc, match=msg):
+            check_knobs(**knobs)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    """``backend="triton"`` with CPU tensors: a clear error instead of Triton's "0 active
+    drivers", unless ``TRITON_INTERPRET=1`` asks for the CPU interpreter."""
+    import pisa.ops.utils.config as config
+    q = torch.randn(1, 4, 2, 8)
+    monkeypatch.setattr(config, "HAS_TRITON", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors, got q on cpu.*"
+                                         "TRITON_INTERPRET=1"):
+        resolve_backend("triton", q)
+    assert resolve_backend("auto", q) == "torch" and resolve_backend("torch", q) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("triton", q) == "triton"
+    monkeypatch.setattr(config, "HAS_TRITON", False)
+    with pytest.raises(ValueError, match="needs Triton"):
+        resolve_backend("triton", q)
+
+
+@pytest.mark.parametrize("q_shape,k_shape,msg", [
+    ((1, 8, 0, 16), (1, 8, 2, 16), r"q must have at least one head \(HQ >= 1\)"),
+    ((1, 8, 4, 16), (1, 8, 0, 16), r"k must have at least one head \(HKV >= 1\)"),
+    ((1, 8, 4, 0), (1, 8, 2, 0), r"q head dim D must be in \[1, 256\], got 0")])
+def test_check_qk_rejects_zero_heads_and_head_dims(q_shape, k_shape, msg):
+    """Zero heads or a zero head dim are named errors; a zero batch or query length is not (the
+    public functions return empty results)."""
+    from pisa.ops.utils.config import check_qk
+    with pytest.raises(ValueError, match=msg):
+        check_qk(torch.randn(q_shape), torch.randn(k_shape), torch.randn(k_shape))
+    check_qk(torch.randn(0, 8, 4, 16), torch.randn(0, 8, 2, 16))
+    check_qk(torch.randn(1, 0, 4, 16), torch.randn(1, 8, 2, 16))
