@@ -259,16 +259,11 @@ def test_fuzz_torch_equals_oracle_long(case):
     check_case(case)
 
 
-# Exact ties. The oracle's rule (``naive.py``: "Ties between scores go to the lower block index",
-# a convention it states for every backend; the Triton kernels pack ``2**31 - 1 - index`` into
-# their sort keys for it) is not followed by the torch backend, whose ``torch.topk`` returns tied
-# candidates in no specified order. Exact ties need degenerate input (constant or all-zero keys,
-# e.g. zero padding; ``scale=0``), so the random fuzz above never draws them. Minimal case (found
-# by shrinking): one query at t = 20 with C = 4 (forced 0, 4, 5), topk = 5: two free slots among
-# the equally scored blocks 1, 2, 3; the oracle (and Triton, checked under TRITON_INTERPRET=1)
-# takes [0, 1, 2, 4, 5], torch [0, 1, 3, 4, 5].
-@pytest.mark.xfail(strict=True, reason="torch backend breaks exact score ties arbitrarily "
-                   "(torch.topk), not to the lower block index as the oracle and Triton do")
+# Exact ties go to the lower block index (``naive.py``'s rule, the Triton kernels' packed keys, the
+# torch backend's stable sort). Exact ties need degenerate input (constant or all-zero keys, e.g.
+# zero padding; ``scale=0``), so the random fuzz above never draws them. Minimal case (found by
+# shrinking, when the torch backend still ranked with ``torch.topk``): one query at t = 20 with
+# C = 4 (forced 0, 4, 5), topk = 5: two free slots among the equally scored blocks 1, 2, 3.
 @pytest.mark.parametrize("selector", ["flat_lse", "flat_mean", "pyramid"])
 def test_exact_ties_go_to_the_lower_block(selector):
     q = torch.ones(1, 1, 1, 1, dtype=torch.float64)

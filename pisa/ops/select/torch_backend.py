@@ -87,18 +87,26 @@ def _exact_leaf_scores(qs, k_blocks, cand, scorer):
     return out
 
 
+def _top(score: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``width`` best scores along the last dim and their positions, exact ties to the earlier
+    position: candidates are laid out in ascending block order, so ties go to the lower block
+    (the oracle's rule; ``torch.topk`` orders ties arbitrarily)."""
+    best, pos = torch.sort(score, dim=-1, descending=True, stable=True)
+    return best[..., :width], pos[..., :width]
+
+
 def finish_selection(cand, score, forced, cfg: SelectConfig):
     """Merge forced leaves with the best free candidates; sort ascending; pad with -1.
 
-    ``cand [B, Tc, H, M]`` (-1 = none), ``score`` the same shape (-inf = not rankable),
-    ``forced [Tc, 3]`` or ``[B, Tc, 3]`` (``forced_leaves_tensor``).
+    ``cand [B, Tc, H, M]`` (-1 = none; the others ascending), ``score`` the same shape (-inf = not
+    rankable), ``forced [Tc, 3]`` or ``[B, Tc, 3]`` (``forced_leaves_tensor``).
     """
     B, Tc, H, M = cand.shape
     n_forced = (forced >= 0).sum(-1)  # [Tc]
     budget = torch.tensor([cfg.free_budget(int(f)) for f in range(MAX_FORCED + 1)],
                           device=cand.device)[n_forced]
     width = min(M, max(cfg.free_budget(1), 0))
-    best, pos = torch.topk(score, width, dim=-1) if width else (score[..., :0], cand[..., :0])
+    best, pos = _top(score, width)
     in_budget = torch.arange(width, device=cand.device) < budget[..., None, None]
     take = torch.isfinite(best) & in_budget
     chosen = torch.where(take, torch.gather(cand, -1, pos), -1)
@@ -116,7 +124,8 @@ def finish_selection(cand, score, forced, cfg: SelectConfig):
 
 
 def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
-    """Beam search from the root to level 2; returns candidate leaves ``[B, Tc, H, M]``.
+    """Beam search from the root to level 2; returns candidate leaves ``[B, Tc, H, M]`` (valid ones
+    ascending: each level's nodes are the children of the kept nodes, sorted).
 
     ``t_abs [Tc]`` or ``[B, Tc]`` (positions per sequence, as in decode), ``forced`` its forced
     leaves (``forced_leaves_tensor``)."""
@@ -142,7 +151,7 @@ def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
             score = group_score(z, w[..., None, :], cfg.scorer)
             score = torch.where(rest, score, -math.inf)
             width = min(cfg.beam, score.shape[-1])
-            best, pos = torch.topk(score, width, dim=-1)
+            best, pos = _top(score, width)
             top = torch.zeros_like(rest).scatter_(-1, pos, torch.isfinite(best))
             rest = rest & top
         keep = is_forced | rest
