@@ -124,14 +124,15 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    if block_idx is None and not _empty_batch(q):
-        block_idx, _ = select(q.detach(), k.detach(), cfg, backend)
-    elif block_idx is not None:
+    if block_idx is not None:
         check_block_idx(block_idx, q, k, cfg.block_size)
     if _empty_batch(q):
         o, lse = _empty_attn(q, k, v)
-        return (o, lse) if return_lse else o
-    o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend, deterministic)
+    else:
+        if block_idx is None:
+            block_idx, _ = select(q.detach(), k.detach(), cfg, backend)
+        o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend,
+                             deterministic)
     return (o, lse) if return_lse else o
 
 
