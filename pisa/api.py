@@ -164,9 +164,10 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
             this call then neither reads nor advances ``cache.cache_seqlens``, and the caller
             advances its own lengths by ``seqlen_new``. Either way the cache's sums must hold
             exactly the first ``cache_seqlens`` keys of each sequence. Given lengths must lie in
-            ``[0, max_seqlen - seqlen_new]``: an int or a CPU tensor out of range raises
-            ``ValueError``; on CUDA the check is an asynchronous device assert (no host sync, so
-            CUDA-graph capture still works), and a violation surfaces as a device-side assert.
+            ``[0, max_seqlen - seqlen_new]``: an int or a CPU tensor out of range (or any, in
+            chunked prefill) raises ``ValueError``; a CUDA tensor in a decode step is not read on
+            the host (no sync, CUDA-graph capture still works): a length outside
+            ``[0, max_seqlen]`` gives NaN rows.
         topk, beam, scorer, selector, forced_in_budget, scale: as in ``pisa_attn``;
             ``selector="auto"`` chooses by the cache's ``max_seqlen``.
         return_lse: bool. Also return the log-normaliser. Default False.
@@ -206,7 +207,8 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
     if k_new is not None:
         check_new_kv(cache.k_cache, k_new, v_new)
     if not own:  # the cache keeps its own lengths in range; a caller's are checked here
-        check_seqlens(cache_seqlens, cache.max_seqlen, 0 if k_new is None else k_new.shape[1])
+        check_seqlens(cache_seqlens, cache.max_seqlen, 0 if k_new is None else k_new.shape[1],
+                      sync=q.shape[1] > 1)
     if k_new is not None:
         write_kv(cache.k_cache, cache.v_cache, cache.sums, k_new, v_new, lens, cache.block_size,
                  cache.branching)

@@ -356,3 +356,46 @@ def test_gpu_model_compiles_with_inductor_fullgraph(rng):
     assert _rel(compiled, eager) < 2e-2
     compiled.float().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@gpu
+def test_gpu_nan_in_a_key_reaches_the_rows_dense_sdpa_says(rng):
+    """bf16 Triton: one NaN key makes exactly the rows that attend it NaN, as dense SDPA (all
+    blocks are selected in the first topk * block_size tokens, so there PISA is dense)."""
+    T, HKV, G, D = 1024, 2, 4, 64
+    q = torch.randn(1, T, HKV * G, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+    k[0, 100, 1, 3] = float("nan")
+    o, lse = pisa_attn(q, k, v, backend="triton", return_lse=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+        enable_gqa=True).transpose(1, 2)
+    assert torch.equal(o.isnan().any(-1), ref.isnan().any(-1))
+    assert torch.equal(lse.isnan(), ref.isnan().any(-1).transpose(1, 2))
+    assert o[0, :100].isfinite().all() and o[0, 100:, HKV * G // 2:].isnan().all()
+
+
+@gpu
+def test_gpu_decode_with_caller_lengths_replays_in_a_cuda_graph(rng):
+    """pisa_attn_with_kvcache with caller-owned cache_seqlens (checked by an async device assert)
+    captures in a CUDA graph, and a replay equals the eager step bitwise."""
+    from pisa import PisaCache, pisa_attn_with_kvcache
+    B, T, HKV, G, D = 2, 4096, 2, 8, 64
+    k = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+    cache = PisaCache.from_prefill(k, v)
+    lens = torch.tensor([T, 1000], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, 1, HKV * G, D, device="cuda", dtype=torch.bfloat16)
+    want = pisa_attn_with_kvcache(q, cache, cache_seqlens=lens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pisa_attn_with_kvcache(q, cache, cache_seqlens=lens)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pisa_attn_with_kvcache(q, cache, cache_seqlens=lens)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -59,15 +59,18 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor
     return offsets
 
 
-def check_seqlens(cache_seqlens: torch.Tensor | int, max_seqlen: int, n_new: int = 0) -> None:
+def check_seqlens(cache_seqlens: torch.Tensor | int, max_seqlen: int, n_new: int = 0,
+                  sync: bool = False) -> None:
     """Check caller-owned lengths (``cache_seqlens`` given to ``pisa_attn_with_kvcache``), as
     they stand before an append of ``n_new`` keys: each must lie in ``[0, max_seqlen - n_new]``.
 
-    An int or a CPU tensor: ``ValueError`` naming the first bad length. A CUDA tensor: an
-    asynchronous device assert (``torch._assert_async``), so the step adds no host sync and stays
-    capturable in a CUDA graph; a violation then surfaces as a device-side assert (a CUDA error
-    at the next synchronisation, which leaves the CUDA context unusable, as an out-of-bounds
-    index does).
+    An int, a CPU tensor, or any tensor with ``sync=True`` (chunked prefill, which reads the
+    lengths on the host anyway): ``ValueError`` naming the first bad length. A CUDA tensor in a
+    decode step is not read here, so the step adds no host sync and no launch and stays
+    capturable in a CUDA graph: the decode kernels give NaN rows for a length outside
+    ``[0, max_seqlen]`` (an append past the end is caught by the write's device-side bounds
+    assert). An async device assert here cost too much per step (``docs/design.md``, "Inference
+    cache"), so the check is the kernels'.
     """
     hi = max_seqlen - n_new
     what = f"in [0, max_seqlen - seqlen_new] = [0, {max_seqlen} - {n_new}]"
@@ -75,14 +78,13 @@ def check_seqlens(cache_seqlens: torch.Tensor | int, max_seqlen: int, n_new: int
         if not 0 <= cache_seqlens <= hi:
             raise ValueError(f"cache_seqlens must be {what}, got {cache_seqlens}")
         return
+    if cache_seqlens.device.type != "cpu" and not sync:
+        return
     ok = (cache_seqlens >= 0) & (cache_seqlens <= hi)
-    if cache_seqlens.device.type == "cpu":
-        if not bool(ok.all()):
-            b = int((~ok).nonzero()[0, 0])
-            raise ValueError(f"cache_seqlens must be {what}, got cache_seqlens[{b}] = "
-                             f"{int(cache_seqlens[b])}")
-    else:
-        torch._assert_async(ok.all(), f"pisa: cache_seqlens must be {what}")
+    if not bool(ok.all()):
+        b = int((~ok).nonzero()[0, 0])
+        raise ValueError(f"cache_seqlens must be {what}, got cache_seqlens[{b}] = "
+                         f"{int(cache_seqlens[b])}")
 
 
 def check_new_kv(k_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:

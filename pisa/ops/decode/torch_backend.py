@@ -50,7 +50,7 @@ def _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg: SelectConfig):
     B, _, HQ, D = q.shape
     H, C = k_cache.shape[2], cfg.block_size
     n_leaves = cdiv(k_cache.shape[1], C)
-    t_abs = cache_seqlens.long()[:, None] - 1  # [B, 1] the query's position
+    t_abs = cache_seqlens.long().clamp_max(k_cache.shape[1])[:, None] - 1  # [B, 1] its position
     pos = t_abs.clamp_min(0)  # an empty sequence selects as if at 0, then attends to nothing
     forced = forced_leaves_tensor(pos, C)  # [B, 1, 3]
     qs = q.to(compute_dtype(q)).reshape(B, 1, H, HQ // H, D) * cfg.scale
@@ -67,7 +67,11 @@ def _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg: SelectConfig):
         scorer = "lse" if cfg.selector == "flat_lse" else cfg.scorer
         score = _leaf_scores(qs, k_cache, cand, pos, C, scorer)
     block_idx, _ = finish_selection(cand, score, forced, cfg)
-    return _attend(qs, k_cache, v_cache, block_idx, t_abs, C, q.dtype)
+    o, lse = _attend(qs, k_cache, v_cache, block_idx, t_abs, C, q.dtype)
+    # a length outside [0, T_max] gives NaN rows (as the Triton kernel), not a clamped answer
+    bad = (cache_seqlens < 0) | (cache_seqlens > k_cache.shape[1])
+    return (torch.where(bad[:, None, None, None], math.nan, o),
+            torch.where(bad[:, None, None], math.nan, lse))
 
 
 def _block_rows(x: torch.Tensor, blocks: torch.Tensor, last: torch.Tensor, block_size: int):

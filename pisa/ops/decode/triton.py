@@ -38,8 +38,8 @@ A step is a chain of dependent memory round trips (each ranked level's child sum
 level above); ``num_stages`` lets each loop load its next tiles while it scores the current one.
 
 Nothing depends on tensor values on the host (no ``.item()``, allocation sizes from shapes only),
-so a step is capturable in a CUDA graph. ``cache_seqlens`` values above ``T_max`` are clamped to it;
-``0`` gives ``o = 0`` and ``lse = -inf``.
+so a step is capturable in a CUDA graph. A ``cache_seqlens`` value outside ``[0, T_max]`` gives NaN
+rows (``o`` and ``lse``); ``0`` gives ``o = 0`` and ``lse = -inf``.
 
 Precision. As in ``select.triton``: keys and queries enter ``tl.dot`` in their dtype (fp32
 accumulation), the fp32 child means against 16-bit queries as a 16-bit head plus residual, fp32
@@ -165,7 +165,11 @@ def _decode_kernel(
     """
     i_b, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, ROWS, 1, D, D)
-    seqlen = tl.minimum(tl.load(p_seqlens + i_b), T_max)
+    seqlen_in = tl.load(p_seqlens + i_b)
+    # a length outside [0, T_max] (caller-owned lengths are not checked on the host: that would
+    # sync) gives NaN rows, not a clamped, finite answer
+    m_bad = (seqlen_in < 0) | (seqlen_in > T_max)
+    seqlen = tl.minimum(seqlen_in, T_max)
     t = seqlen - 1  # the query's position; -1 for an empty sequence (every key masked)
     cur = tl.maximum(t, 0) // C  # 0 for an empty sequence too: no free node at any level
     p_kh = p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh
@@ -252,6 +256,8 @@ def _decode_kernel(
 
     o_head = i_h * G + tl.arange(0, ROWS)
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
+    b_o = tl.where(m_bad, float("nan"), b_o)
+    b_lse = tl.where(m_bad, float("nan"), b_lse)
     store_rows(p_o + i_b.to(tl.int64) * s_ob + i_s * s_os, o_head * s_oh, m_row, b_o, D)
     tl.store(p_lse + i_b * s_lb + o_head * s_lh + i_s * s_ls, b_lse, mask=m_row)
 

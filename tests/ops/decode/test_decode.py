@@ -133,3 +133,26 @@ def test_decode_propagates_nan_and_keeps_empty_sequences_empty(rng):
         assert torch.equal(lse[..., 0].isnan(), want)
         assert (o[0] == 0).all() and torch.isneginf(lse[0]).all()
         assert torch.isfinite(o[1, 0, 0]).all() and torch.isfinite(lse[1, 0]).all()
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's max of NaNs
+def test_decode_lengths_out_of_range_give_nan_rows(rng):
+    """Caller-owned lengths are not read on the host in a CUDA decode step: a length below 0 or
+    above T_max gives NaN rows (torch and Triton, one split and several), the others are as with
+    valid lengths; before, they came out clamped and finite."""
+    cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=2, scale=0.25)
+    q, k, v, sums, _ = make_cache(3, 128, 1, 2, 16, [128, 100, 128], 16, 2, seed=rng)
+    lens = torch.tensor([129, 100, -1], dtype=torch.int32)
+    runs = [lambda: decode_step(q, k, v, sums, lens, cfg, "torch")]
+    if HAS_TRITON:
+        from pisa.ops.decode.triton import decode_triton
+        dev = "cpu" if INTERPRET else "cuda"
+        args = [x.to(dev) for x in (q, k, v, sums, lens)]
+        runs += [lambda s=s: decode_triton(*args, cfg, num_splits=s) for s in (1, 4)]
+    ok_o, ok_lse = decode_step(q[1:2], k[1:2], v[1:2], sums[1:2], lens[1:2], cfg, "torch")
+    for run in runs:
+        o, lse = (x.cpu() for x in run())
+        assert o[0].isnan().all() and lse[0].isnan().all()
+        assert o[2].isnan().all() and lse[2].isnan().all()
+        torch.testing.assert_close(o[1:2].float(), ok_o.float(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lse[1:2], ok_lse, rtol=1e-4, atol=1e-5)
