@@ -9,6 +9,7 @@ launch overhead included). The checkouts alternate ``--rounds`` times, each in a
 whose ``PYTHONPATH`` is the checkout (so each imports its own ``pisa``); a row's ``ms`` is the
 median over rounds of ``time_ms`` (``pisa.bench``: do_bench medians, CUDA events).
 
+    mkdir .before && git archive de2d551 pisa | tar -x -C .before   # the tree before the move
     python benchmarks/regression.py --trees before=.before after=. --json results.json
 
 Rows use the project's schema (``pisa.results``) with extra columns ``tree`` and ``round_ms``;
