@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import pisa_attn
-from ..ops.utils.config import SelectConfig, check_knobs
+from ..ops.utils.config import SelectConfig, check_knobs, check_positive_int
 
 ATTN_MODES = ("pisa", "dense")
 # The ``pisa_attn`` keyword arguments a layer forwards (``return_lse`` and ``block_idx`` depend on
@@ -29,13 +29,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
-def _check_positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 def _check_pisa_kwargs(pisa_kwargs: dict) -> None:
@@ -85,10 +78,10 @@ class PisaAttention(nn.Module):
                  head_dim: int | None = None, rope_theta: float = 10000.0, bias: bool = False,
                  attn: str = "pisa", **pisa_kwargs):
         super().__init__()
-        _check_positive("hidden_size", hidden_size)
-        _check_positive("num_heads", num_heads)
+        check_positive_int("hidden_size", hidden_size)
+        check_positive_int("num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_positive("num_kv_heads", num_kv_heads)
+        check_positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
@@ -96,7 +89,7 @@ class PisaAttention(nn.Module):
             raise ValueError(f"attn must be one of {ATTN_MODES}, got {attn!r}")
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden_size // num_heads if head_dim is None else head_dim
-        _check_positive("head_dim", self.head_dim)
+        check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if attn == "pisa" and self.head_dim > 256:

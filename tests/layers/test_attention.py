@@ -94,6 +94,7 @@ def test_scale_is_the_softmax_scale_on_every_path(rng):
     (dict(branching=1), ValueError, "branching"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(scale="0.1"), TypeError, "scale must be a real number or None"),
+    (dict(scale=float("nan")), ValueError, "scale must be finite"),
     (dict(forced_in_budget="no"), TypeError, "forced_in_budget must be a bool"),
     (dict(deterministic=1), TypeError, "deterministic must be a bool"),
     (dict(topK=4), TypeError, r"unexpected keyword arguments \['topK'\]"),

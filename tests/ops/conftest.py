@@ -45,12 +45,6 @@ def _interpreter_patched():
 
         saved = (interp._patch_lang, interp.InterpretedFunction.__call__,
                  interp.interpreter_builder.options, tl.sort, tl.topk)
-        patch_tensor = interp._patch_lang_tensor
-
-        def patch_tensor_index(tensor, scope):
-            patch_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
         def patch_lang_once(fn):
             scope = interp._LangPatchScope()
             for lang in (tl, tl.core):
@@ -58,7 +52,7 @@ def _interpreter_patched():
                 interp._patch_builtin(lang.tensor, interp.interpreter_builder, scope)
                 if lang is tl:
                     interp._patch_builtin(lang.math, interp.interpreter_builder, scope)
-                patch_tensor_index(lang.tensor, scope)
+                interp._patch_lang_tensor(lang.tensor, scope)  # with pisa's NumPy-2.4 shim
                 interp._patch_lang_core(lang, scope)
             interp._patch_builtin(tl.core.tensor_descriptor_base, interp.interpreter_builder, scope)
             return scope
@@ -105,8 +99,8 @@ def poison_outputs(monkeypatch):
 
 @pytest.fixture
 def poison_empty(monkeypatch):
-    """Every ``torch.empty`` buffer (the selection and pyramid launchers allocate their outputs
-    with it) starts as NaN, or ``POISON`` for int32 / int64, so an element a kernel forgets to
+    """Every ``torch.empty`` buffer (the selection and pyramid launchers' outputs, through
+    ``utils.op.empty``, and their scratch buffers) starts as NaN, or ``POISON`` for int32 / int64, so an element a kernel forgets to
     write shows up as a mismatch with the oracle."""
     real = torch.empty
 

@@ -13,6 +13,8 @@ from dataclasses import astuple, dataclass
 
 import torch
 
+from .geometry import cdiv
+
 SCORERS = ("lse", "mean", "meanvar")
 SELECTORS = ("pyramid", "flat_lse", "flat_mean", "auto")
 BACKENDS = ("auto", "torch", "triton", "naive")
@@ -75,6 +77,13 @@ def _check_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
 
 
+def check_positive_int(name: str, value) -> None:
+    """``TypeError`` unless ``value`` is an int, ``ValueError`` unless it is >= 1; both name it."""
+    _check_int(name, value)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def check_geometry(block_size: int, branching: int, backend: str = "torch") -> None:
     """Check the pyramid geometry (leaf block size ``C``, branching factor ``g``) for a resolved
     ``backend`` (``"torch"``: the widest range, for objects made before a backend is known)."""
@@ -121,6 +130,8 @@ def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = Select
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
         raise TypeError(f"scale must be a real number or None, got {scale!r} "
                         f"({type(scale).__name__})")
+    if scale is not None and not math.isfinite(scale):  # NaN / Inf would hide in zeroed rows
+        raise ValueError(f"scale must be finite or None, got {scale!r}")
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
@@ -159,8 +170,6 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
         beam = topk
     if scale is None:
         scale = default_scale(q.shape[-1])
-    elif not math.isfinite(scale):  # a real number (check_knobs): NaN / Inf would zero rows
-        raise ValueError(f"scale must be finite or None, got {scale!r}")
     if selector == "auto":
         selector = "flat_lse" if k.shape[1] < AUTO_CROSSOVER_T else "pyramid"
     return SelectConfig(block_size, topk, branching, beam, scorer, selector,
@@ -257,7 +266,7 @@ def check_block_idx_values(block_idx: torch.Tensor, n_keys: int, block_size: int
         return
     b, t, h = (int(i) for i in bad.any(-1).nonzero()[0])
     row = block_idx[b, t, h].tolist()
-    pos, n_blocks = n_keys - Tq + t, -(-n_keys // block_size)
+    pos, n_blocks = n_keys - Tq + t, cdiv(n_keys, block_size)
     raise ValueError(
         f"block_idx[{b}, {t}, {h}] = {row} is not a valid selection: expected ascending block ids "
         f"without duplicates, each in [0, {n_blocks}) and causal (query {t} sits at key position "
