@@ -399,3 +399,24 @@ def test_gpu_decode_with_caller_lengths_replays_in_a_cuda_graph(rng):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@gpu
+def test_gpu_new_lengths_compile_nothing(rng):
+    """Lengths are runtime values: after one call, forward+backward at lengths of every
+    divisibility (and other level counts) compiles no new kernel variant (each cost seconds)."""
+    from pisa.bench import triton_variants
+
+    def call(T):
+        q = torch.randn(1, T, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, T, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        pisa_attn(q, k, v).sum().backward()
+        torch.cuda.synchronize()
+
+    call(8192)
+    n = triton_variants()
+    assert n > 0, "no compiled pisa kernel counted"
+    for T in (8256, 9000, 20000, 16385, 40001):
+        call(T)
+        assert triton_variants() == n, f"T={T} compiled {triton_variants() - n} new variants"

@@ -77,7 +77,8 @@ def _tile_setup(q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV
     """What the forward and dQ programs of one (token tile, batch x KV head) share: the tile's
     rows, its queries ``[BT * GP, D]``, the K/V base pointers and its union-list pointers."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
+    # 64-bit: head strides of a head-major view times the head index pass 2**31 at 1M tokens
+    i_b, i_h = (i_bh // HKV).to(tl.int64), (i_bh % HKV).to(tl.int64)
     o_tok, o_hh, m_row = _group_rows(i_t, T_Q, BT, G, GP)
     o_head = i_h * G + o_hh
     b_q = load_rows(q + i_b * s_qb, o_tok.to(tl.int64) * s_qt + o_head * s_qh, m_row, D)
@@ -86,7 +87,9 @@ def _tile_setup(q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV
             v + i_b * s_vb + i_h * s_vh, T_K - T_Q + o_tok, i_list, i_list.to(tl.int64) * U)
 
 
-@triton.jit
+# lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
+# each new sequence length (seconds, docs/design.md "Cold start")
+@triton.jit(do_not_specialize=["T_Q", "T_K", "N_TILES"])
 def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
                 T_Q, T_K, HKV, N_TILES, U, scale_log2,
@@ -112,19 +115,19 @@ def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
     tl.store(lse + (i_b * HKV * G + o_head) * T_Q + o_tok, b_lse, mask=m_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T_Q"])
 def _delta_kernel(o, do, delta, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh, T_Q,
                   H: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
     """delta[b, h, t] = rowsum(dO * O) for all heads of ``BT`` tokens."""
     i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_tok, o_head, m_row = _group_rows(i_t, T_Q, BT, H, HP)
-    o_tok64 = o_tok.to(tl.int64)
+    o_tok64, o_head = o_tok.to(tl.int64), o_head.to(tl.int64)
     b_o = load_rows(o + i_b * s_ob, o_tok64 * s_ot + o_head * s_oh, m_row, D).to(tl.float32)
     b_do = load_rows(do + i_b * s_gb, o_tok64 * s_gt + o_head * s_gh, m_row, D).to(tl.float32)
     tl.store(delta + (i_b * H + o_head) * T_Q + o_tok, tl.sum(b_o * b_do, 1), mask=m_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T_Q", "T_K", "N_TILES"])
 def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh,
                s_db, s_dt, s_dh,
@@ -154,7 +157,7 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
     store_rows(dq + i_b * s_db, o_dq, m_row, b_dq * scale, D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T_Q", "T_K", "N_BLOCKS"])
 def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_tok, items,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh,
                 T_Q, T_K, HKV, N_BLOCKS, scale_log2, scale,
@@ -166,7 +169,7 @@ def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_tok, items,
     key, start, end = tl.load(p_item), tl.load(p_item + 1), tl.load(p_item + 2)
     slot = tl.load(p_item + 3)
     i_bh, i_c = key // N_BLOCKS, key % N_BLOCKS
-    i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
+    i_b, i_h = (i_bh // HKV).to(tl.int64), (i_bh % HKV).to(tl.int64)
     o_key = i_c * C + tl.arange(0, C)
     m_key = o_key < T_K
     b_k = load_rows(k + i_b * s_kb + i_h * s_kh, o_key.to(tl.int64) * s_kt, m_key, D)
@@ -210,7 +213,7 @@ def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_tok, items,
         store_rows(part_v, o_part, m_key, b_dv, D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T_K", "N_BLOCKS"])
 def _reduce_parts_kernel(dk, dv, part_k, part_v, items, T_K, HKV, N_BLOCKS,
                          C: tl.constexpr, D: tl.constexpr):
     """Sum a split block's chunk partials in slot order (deterministic) into dk, dv."""

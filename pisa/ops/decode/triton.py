@@ -141,7 +141,9 @@ def _child_lse(b_q, o_x, m_x, p_child, s_cn, inv_n, scale,
     return tl.where(m_x[None, :], b_max + tl.log(b_acc), float("-inf"))
 
 
-@triton.jit
+# lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
+# each new sequence length (seconds, docs/design.md "Cold start")
+@triton.jit(do_not_specialize=["T_max", "n_leaves", "n_walk"])
 def _decode_kernel(
         p_q, p_k, p_v, p_sums, p_seqlens, p_o, p_lse, p_idx,
         T_max, n_leaves, n_walk, scale, scale_log2,
@@ -163,7 +165,7 @@ def _decode_kernel(
     Writes ``o`` rows (``p_o`` at split ``i_s``: the final output, or an fp32 partial) and their
     natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending (``-1`` padded).
     """
-    i_b, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h, i_s = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, ROWS, 1, D, D)
     seqlen_in = tl.load(p_seqlens + i_b)
     # a length outside [0, T_max] (caller-owned lengths are not checked on the host: that would

@@ -19,7 +19,9 @@ from ..utils.op import device_offsets, empty
 # Kernels
 # ------------------------------------------------------------------------------------------------
 
-@triton.jit
+# lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
+# each new sequence length (seconds, docs/design.md "Cold start")
+@triton.jit(do_not_specialize=["T"])
 def _pyramid_chunk_kernel(
         p_k, p_means, p_counts, p_sums, p_off, T,
         s_kb, s_kt, s_kh, s_mb, s_mn, s_mh, s_sb, s_sn, s_sh,
@@ -28,7 +30,7 @@ def _pyramid_chunk_kernel(
     """Leaves ``[i_c * LEAVES, (i_c + 1) * LEAVES)`` and the ``LEVELS`` levels of nodes above them
     that lie inside this chunk; the sums of the topmost of those levels go to ``p_sums`` when the
     top kernel must continue from them."""
-    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     o_leaf = i_c * LEAVES + tl.arange(0, LEAVES)
     o_cb = tl.arange(0, CB)
     o_d = tl.arange(0, DP)
@@ -64,14 +66,14 @@ def _pyramid_chunk_kernel(
         tl.store(p_s, b_sum, mask=m_node[:, None] & m_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "lvl0", "n_levels", "span0"])
 def _pyramid_top_kernel(
         p_means, p_counts, p_sums, p_off, T, lvl0, n_levels, span0,
         s_mb, s_mn, s_mh, s_sb, s_sn, s_sh,
         C: tl.constexpr, G_BR: tl.constexpr, PB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
     """Levels ``lvl0 + 1 .. n_levels`` from the sums of level ``lvl0`` (rows of ``p_sums``, which
     this program extends level by level: row ``r`` holds pyramid row ``offsets[lvl0 - 1] + r``)."""
-    i_h, i_b = tl.program_id(0), tl.program_id(1)
+    i_h, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = tl.arange(0, DP)
     m_d = o_d < D
     p_sh = p_sums + i_b.to(tl.int64) * s_sb + i_h * s_sh

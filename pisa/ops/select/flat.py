@@ -23,7 +23,9 @@ from .triton import SCORER_ID
 # Kernel
 # ------------------------------------------------------------------------------------------------
 
-@triton.jit
+# lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
+# each new sequence length (seconds, docs/design.md "Cold start")
+@triton.jit(do_not_specialize=["Tq", "Tk"])
 def _flat_select_kernel(
         p_q, p_k, p_means, p_idx, p_cnt, Tq, Tk, scale,
         s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_mb, s_mn, s_mh, s_ib, s_it, s_ih, s_cb, s_ct,
@@ -39,7 +41,7 @@ def _flat_select_kernel(
     descending, in ``b_top [BT, KP]``; a chunk that beats some token's ``KP``-th best is merged by
     two ``tl.topk`` (its own best ``KP``, then the best ``KP`` of both lists).
     """
-    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     t0 = i_t * BT
     b_q, m_row = load_queries(p_q, i_b, i_h, t0, Tq, s_qb, s_qt, s_qh, G, GP, BT, D, DP)
     o_d = tl.arange(0, DP)

@@ -272,7 +272,10 @@ def walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, c0, c1, t_
 # ------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
+# each new sequence length (seconds, docs/design.md "Cold start")
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_levels", "top_span", "n_par", "n_chunk",
+                               "chunk"])
 def _pyramid_walk_kernel(
         p_q, p_means, p_counts, p_off, p_key,
         Tq, Tk, n_levels, top_span, scale, n_par, n_chunk, chunk,
@@ -285,7 +288,7 @@ def _pyramid_walk_kernel(
     leaf candidates into its ``S = WP + 3`` slots of ``p_key [B, Tq, HKV, S]``: the ``n_rest`` kept
     nodes, then the (up to 3) forced level-2 nodes that have a free child. A slot holds the sort key
     ``((b * HKV + h) * n_chunk + i_t // chunk) * n_par + parent``, or ``SLOT_NONE`` when empty."""
-    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     HKV = tl.num_programs(1)
     b_q, m_row = load_queries(p_q, i_b, i_h, i_t, Tq, s_qb, s_qt, s_qh, G, GP, 1, D, DP)
     t_abs = Tk - Tq + i_t
@@ -305,7 +308,7 @@ def _pyramid_walk_kernel(
     tl.store(p_row + WP + o_f, b_key.to(p_key.dtype.element_ty), mask=o_f < 3)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_chunk", "n_par"])
 def _leaf_groups_kernel(
         p_q, p_k, p_start, p_pair, p_score, Tq, Tk, HKV, n_chunk, n_par, scale,
         s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
@@ -326,7 +329,7 @@ def _leaf_groups_kernel(
     end = tl.load(p_start + i_key + 1)
     if start < end:
         i_b = i_bh // HKV
-        i_h = i_bh % HKV
+        i_h = (i_bh % HKV).to(tl.int64)
         o_c = tl.arange(0, GBP)
         o_leaf = i_par * G_BR + o_c
         # Leaves past the end (children of forced parents) are never free: skip their loads.
@@ -351,7 +354,7 @@ def _leaf_groups_kernel(
                      mask=m_r[:, None] & (o_c < G_BR)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_par"])
 def _leaf_topk_kernel(
         p_key, p_score, p_idx, p_cnt, Tq, Tk, n_par,
         s_ib, s_it, s_ih, s_cb, s_ct,
@@ -361,7 +364,7 @@ def _leaf_topk_kernel(
         SLOT_NONE: tl.constexpr):
     """Each of the ``BT`` tokens of tile ``i_t`` keeps its best free leaves among the children of
     its ``S`` parent slots (scores from ``_leaf_groups_kernel``) and writes its row."""
-    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     HKV = tl.num_programs(1)
     t0 = i_t * BT
     o_bt = tl.arange(0, BT)

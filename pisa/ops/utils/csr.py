@@ -59,24 +59,53 @@ def group_pairs(pair_block: torch.Tensor, n_blocks: int, size: int) -> PairGroup
     return PairGroups(order, first_group[block] + rank // size, rank % size, group_block, size)
 
 
+# entries one sort handles: torch's sort indexes with 32-bit ints on some paths, and pieces keep
+# its temporaries (keys, order, sorted keys: 24 bytes an entry) bounded
+SORT_PIECE = 1 << 28
+
+
+def _sort_by_key_pieces(key: torch.Tensor, n_keys: int,
+                        rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sort_by_key`` of ``key [rows * E]`` whose ``rows`` consecutive runs of ``E`` entries hold
+    increasing, disjoint key ranges (row ``r``'s keys precede row ``r + 1``'s), less the entries
+    of no group: the runs are sorted in pieces of whole rows, the entries ``>= n_keys`` dropped
+    from each, and the pieces concatenated, which is the one stable sort's grouped part."""
+    per_row = key.numel() // max(rows, 1)
+    step = max(1, SORT_PIECE // max(per_row, 1))
+    orders = []
+    for r0 in range(0, rows, step):
+        lo, hi = r0 * per_row, min(rows, r0 + step) * per_row
+        sorted_key, order = torch.sort(key[lo:hi], stable=True)
+        n_valid = torch.searchsorted(sorted_key, n_keys)  # on device: no sync per piece
+        orders.append(torch.where(torch.arange(hi - lo, device=key.device) < n_valid,
+                                  order + lo, -1))
+    order = torch.cat(orders)
+    order = order[order >= 0]
+    bounds = torch.arange(n_keys + 1, dtype=key.dtype, device=key.device)
+    return order, torch.searchsorted(key[order], bounds)
+
+
 def block_work_items(block_idx: torch.Tensor, n_blocks: int, chunk: int):
     """The transpose of a selection ``block_idx [B, Tq, HKV, S]`` cut into work items of at most
     ``chunk`` queries (the Triton dK/dV pass: the sink block, which every query chooses, must not
     make one program straggle).
 
     Returns ``tokens`` int32 (for every (batch, KV head, block) in turn, the ascending query tokens
-    that chose it), ``items [n_items, 5]`` int32 rows ``(key, start, end, slot, n_parts)`` with
-    ``key = (b * HKV + h) * n_blocks + block`` and ``tokens[start:end]`` its chunk, ``slot`` the
-    chunk's scratch row when the block is split (else -1) and ``n_parts`` the block's chunk count on
-    its first chunk (else 0), and the number of scratch rows (a host int: one sync).
+    that chose it), ``items [n_items, 5]`` int64 rows ``(key, start, end, slot, n_parts)`` with
+    ``key = (b * HKV + h) * n_blocks + block`` and ``tokens[start:end]`` its chunk (64-bit: the
+    ``B * HKV * Tq * S`` entries pass 2**31 at 1M tokens with 64 KV heads), ``slot`` the chunk's
+    scratch row when the block is split (else -1) and ``n_parts`` the block's chunk count on its
+    first chunk (else 0), and the number of scratch rows (a host int: one sync).
     """
     B, Tq, H, S = block_idx.shape
     n_keys = B * H * n_blocks
     idx = block_idx.permute(0, 2, 1, 3).long()  # [B, H, Tq, S]: entries in token order
     base = torch.arange(B * H, device=idx.device).view(B, H, 1, 1) * n_blocks
     key = torch.where((idx >= 0) & (idx < n_blocks), base + idx, n_keys).flatten()
-    perm, start = sort_by_key(key, n_keys)
+    perm, start = _sort_by_key_pieces(key, n_keys, B * H)
+    del key
     tokens = ((perm // S) % Tq).to(torch.int32)
+    del perm
     counts, ends = start.diff(), start[1:]
     n_chunks = (counts + chunk - 1) // chunk
     split = n_chunks > 1
@@ -89,5 +118,5 @@ def block_work_items(block_idx: torch.Tensor, n_blocks: int, chunk: int):
     item_split = split[item_key]
     slot = torch.where(item_split, item_split.cumsum(0) - 1, -1)
     n_parts_first = torch.where(item_split & (j == 0), n_chunks[item_key], 0)
-    items = torch.stack([item_key, start_i, end_i, slot, n_parts_first], 1).to(torch.int32)
+    items = torch.stack([item_key, start_i, end_i, slot, n_parts_first], 1)
     return tokens, items.contiguous(), n_parts

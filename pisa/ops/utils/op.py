@@ -167,7 +167,7 @@ def load_queries(p_q, i_b, i_h, t0, Tq, s_qb, s_qt, s_qh,
     m_row = (o_mh < G) & (t0 + o_mt < Tq)
     o_d = tl.arange(0, DP)
     p = p_q + i_b.to(tl.int64) * s_qb + (t0 + o_mt).to(tl.int64)[:, None] * s_qt \
-        + (i_h * G + o_mh)[:, None] * s_qh + o_d[None, :]
+        + (i_h * G + o_mh).to(tl.int64)[:, None] * s_qh + o_d[None, :]
     return tl.load(p, mask=m_row[:, None] & (o_d < D)[None, :], other=0.), m_row
 
 

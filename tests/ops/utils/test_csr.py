@@ -52,3 +52,18 @@ def test_block_work_items_lists(rng):
     assert got == {tuple(int(x) for x in w) for w in want}
     slots = items[:, 3]
     assert sorted(slots[slots >= 0].tolist()) == list(range(n_parts))
+
+
+def test_block_work_items_sorted_in_pieces(rng, monkeypatch):
+    """Sorting whole (batch, KV head) rows in pieces gives the one stable sort's lists; items are
+    64-bit (their token offsets pass 2**31 at 1M tokens with 64 KV heads)."""
+    from pisa.ops.utils import csr
+    B, Tq, Tk, H, C, S, chunk = 2, 40, 96, 3, 16, 5, 6
+    idx = random_selection(B, Tq, Tk, H, C, S, min_blocks=1, seed=rng, device="cpu")
+    nb = cdiv(Tk, C)
+    whole = block_work_items(idx, nb, chunk)
+    monkeypatch.setattr(csr, "SORT_PIECE", Tq * S * 2)  # two rows a piece: three pieces
+    pieces = block_work_items(idx, nb, chunk)
+    assert pieces[1].dtype == torch.int64
+    assert torch.equal(whole[0], pieces[0]) and torch.equal(whole[1], pieces[1])
+    assert whole[2] == pieces[2]
