@@ -404,14 +404,20 @@ def test_gpu_decode_with_caller_lengths_replays_in_a_cuda_graph(rng):
 @gpu
 def test_gpu_new_lengths_compile_nothing(rng):
     """Lengths are runtime values: after one call, forward+backward at lengths of every
-    divisibility (and other level counts) compiles no new kernel variant (each cost seconds)."""
+    divisibility (and other level counts), and with a batch stride past 2**31 (a q of 256K tokens
+    in config A has one), compiles no new kernel variant (each cost seconds)."""
     from pisa.bench import triton_variants
 
-    def call(T):
-        q = torch.randn(1, T, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, T, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    def call(T, batch_stride=None):
+        B, HQ, HKV, D = 2, 16, 4, 64
+        if batch_stride is None:
+            q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+        else:  # a view into a buffer of more than 2**31 elements
+            buf = torch.empty(batch_stride + T * HQ * D, device="cuda", dtype=torch.bfloat16)
+            q = buf.as_strided((B, T, HQ, D), (batch_stride, HQ * D, D, 1)).normal_()
+        k = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn_like(k, requires_grad=True)
-        pisa_attn(q, k, v).sum().backward()
+        pisa_attn(q.requires_grad_(), k, v).sum().backward()
         torch.cuda.synchronize()
 
     call(8192)
@@ -420,3 +426,5 @@ def test_gpu_new_lengths_compile_nothing(rng):
     for T in (8256, 9000, 20000, 16385, 40001):
         call(T)
         assert triton_variants() == n, f"T={T} compiled {triton_variants() - n} new variants"
+    call(5000, batch_stride=1 << 31)
+    assert triton_variants() == n, "a 64-bit batch stride compiled new variants"

@@ -88,10 +88,12 @@ def _tile_setup(q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV
 
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
-# each new sequence length (seconds, docs/design.md "Cold start")
+# each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
+# 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
 @triton.jit(do_not_specialize=["T_Q", "T_K", "N_TILES"])
 def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
-                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
+                s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
+                s_ob: tl.int64, s_ot, s_oh,
                 T_Q, T_K, HKV, N_TILES, U, scale_log2,
                 G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
                 C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -116,7 +118,7 @@ def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
 
 
 @triton.jit(do_not_specialize=["T_Q"])
-def _delta_kernel(o, do, delta, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh, T_Q,
+def _delta_kernel(o, do, delta, s_ob: tl.int64, s_ot, s_oh, s_gb: tl.int64, s_gt, s_gh, T_Q,
                   H: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
     """delta[b, h, t] = rowsum(dO * O) for all heads of ``BT`` tokens."""
     i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -129,8 +131,9 @@ def _delta_kernel(o, do, delta, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh, T_Q,
 
 @triton.jit(do_not_specialize=["T_Q", "T_K", "N_TILES"])
 def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
-               s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh,
-               s_db, s_dt, s_dh,
+               s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
+               s_gb: tl.int64, s_gt, s_gh,
+               s_db: tl.int64, s_dt, s_dh,
                T_Q, T_K, HKV, N_TILES, U, scale_log2, scale,
                G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
                C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -159,7 +162,8 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
 
 @triton.jit(do_not_specialize=["T_Q", "T_K", "N_BLOCKS"])
 def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_tok, items,
-                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh,
+                s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
+                s_gb: tl.int64, s_gt, s_gh,
                 T_Q, T_K, HKV, N_BLOCKS, scale_log2, scale,
                 G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr,
                 C: tl.constexpr, D: tl.constexpr, ATOMIC: tl.constexpr,

@@ -142,13 +142,15 @@ def _child_lse(b_q, o_x, m_x, p_child, s_cn, inv_n, scale,
 
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
-# each new sequence length (seconds, docs/design.md "Cold start")
+# each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
+# 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
 @triton.jit(do_not_specialize=["T_max", "n_leaves", "n_walk"])
 def _decode_kernel(
         p_q, p_k, p_v, p_sums, p_seqlens, p_o, p_lse, p_idx,
         T_max, n_leaves, n_walk, scale, scale_log2,
-        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_sn, s_sh,
-        s_ob, s_oh, s_os, s_lb, s_lh, s_ls, s_ib, s_ih,
+        s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
+        s_sb: tl.int64, s_sn, s_sh,
+        s_ob: tl.int64, s_oh, s_os, s_lb: tl.int64, s_lh, s_ls, s_ib: tl.int64, s_ih,
         G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
         LOG_C: tl.constexpr, G_BR: tl.constexpr, LOG_G: tl.constexpr, W: tl.constexpr,
         WP: tl.constexpr, KS: tl.constexpr, TOPK: tl.constexpr,
@@ -265,7 +267,7 @@ def _decode_kernel(
 
 
 @triton.jit
-def _combine_kernel(p_po, p_plse, p_o, p_lse, HQ, s_ob, s_oh,
+def _combine_kernel(p_po, p_plse, p_o, p_lse, HQ, s_ob: tl.int64, s_oh,
                     SPLITS: tl.constexpr, SPP: tl.constexpr, D: tl.constexpr):
     """Merge the ``SPLITS`` partials ``[B, HQ, SPLITS, D]`` of head ``i_q`` of sequence ``i_b`` by
     their LSE (splits without a key have ``lse = -inf`` and weigh 0; a NaN split makes the sum,

@@ -20,11 +20,12 @@ from ..utils.op import device_offsets, empty
 # ------------------------------------------------------------------------------------------------
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
-# each new sequence length (seconds, docs/design.md "Cold start")
+# each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
+# 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
 @triton.jit(do_not_specialize=["T"])
 def _pyramid_chunk_kernel(
         p_k, p_means, p_counts, p_sums, p_off, T,
-        s_kb, s_kt, s_kh, s_mb, s_mn, s_mh, s_sb, s_sn, s_sh,
+        s_kb: tl.int64, s_kt, s_kh, s_mb: tl.int64, s_mn, s_mh, s_sb: tl.int64, s_sn, s_sh,
         C: tl.constexpr, CB: tl.constexpr, LEAVES: tl.constexpr, LEVELS: tl.constexpr,
         G_BR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, WRITE_SUMS: tl.constexpr):
     """Leaves ``[i_c * LEAVES, (i_c + 1) * LEAVES)`` and the ``LEVELS`` levels of nodes above them
@@ -69,7 +70,7 @@ def _pyramid_chunk_kernel(
 @triton.jit(do_not_specialize=["T", "lvl0", "n_levels", "span0"])
 def _pyramid_top_kernel(
         p_means, p_counts, p_sums, p_off, T, lvl0, n_levels, span0,
-        s_mb, s_mn, s_mh, s_sb, s_sn, s_sh,
+        s_mb: tl.int64, s_mn, s_mh, s_sb: tl.int64, s_sn, s_sh,
         C: tl.constexpr, G_BR: tl.constexpr, PB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
     """Levels ``lvl0 + 1 .. n_levels`` from the sums of level ``lvl0`` (rows of ``p_sums``, which
     this program extends level by level: row ``r`` holds pyramid row ``offsets[lvl0 - 1] + r``)."""

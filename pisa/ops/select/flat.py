@@ -24,11 +24,13 @@ from .triton import SCORER_ID
 # ------------------------------------------------------------------------------------------------
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
-# each new sequence length (seconds, docs/design.md "Cold start")
+# each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
+# 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
 @triton.jit(do_not_specialize=["Tq", "Tk"])
 def _flat_select_kernel(
         p_q, p_k, p_means, p_idx, p_cnt, Tq, Tk, scale,
-        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_mb, s_mn, s_mh, s_ib, s_it, s_ih, s_cb, s_ct,
+        s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_mb: tl.int64, s_mn, s_mh,
+        s_ib: tl.int64, s_it, s_ih, s_cb: tl.int64, s_ct,
         G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         C: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, LB: tl.constexpr,
         TOPK: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, IN_BUDGET: tl.constexpr,

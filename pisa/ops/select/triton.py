@@ -273,13 +273,14 @@ def walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, c0, c1, t_
 
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
-# each new sequence length (seconds, docs/design.md "Cold start")
+# each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
+# 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_levels", "top_span", "n_par", "n_chunk",
                                "chunk"])
 def _pyramid_walk_kernel(
         p_q, p_means, p_counts, p_off, p_key,
         Tq, Tk, n_levels, top_span, scale, n_par, n_chunk, chunk,
-        s_qb, s_qt, s_qh, s_mb, s_mn, s_mh,
+        s_qb: tl.int64, s_qt, s_qh, s_mb: tl.int64, s_mn, s_mh,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr,
         G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
         S: tl.constexpr, SCORER: tl.constexpr, LO: tl.constexpr, SLOT_NONE: tl.constexpr,
@@ -311,7 +312,7 @@ def _pyramid_walk_kernel(
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_chunk", "n_par"])
 def _leaf_groups_kernel(
         p_q, p_k, p_start, p_pair, p_score, Tq, Tk, HKV, n_chunk, n_par, scale,
-        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+        s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh,
         PB: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         C: tl.constexpr, CP: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, S: tl.constexpr,
         SCORER: tl.constexpr, F32_PREC: tl.constexpr):
@@ -357,7 +358,7 @@ def _leaf_groups_kernel(
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_par"])
 def _leaf_topk_kernel(
         p_key, p_score, p_idx, p_cnt, Tq, Tk, n_par,
-        s_ib, s_it, s_ih, s_cb, s_ct,
+        s_ib: tl.int64, s_it, s_ih, s_cb: tl.int64, s_ct,
         BT: tl.constexpr, C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr,
         S: tl.constexpr, SPP: tl.constexpr, KS: tl.constexpr, TOPK: tl.constexpr,
         SLOTS: tl.constexpr, SP: tl.constexpr, IN_BUDGET: tl.constexpr,
