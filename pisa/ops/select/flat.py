@@ -25,8 +25,9 @@ from .triton import SCORER_ID
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
 # each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
-# 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
-@triton.jit(do_not_specialize=["Tq", "Tk"])
+# 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too;
+# the selection outputs' batch strides (Tq * HKV * slots) follow the length, so are not specialised
+@triton.jit(do_not_specialize=["Tq", "Tk", "s_ib", "s_cb"])
 def _flat_select_kernel(
         p_q, p_k, p_means, p_idx, p_cnt, Tq, Tk, scale,
         s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_mb: tl.int64, s_mn, s_mh,

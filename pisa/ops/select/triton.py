@@ -355,7 +355,8 @@ def _leaf_groups_kernel(
                      mask=m_r[:, None] & (o_c < G_BR)[None, :])
 
 
-@triton.jit(do_not_specialize=["Tq", "Tk", "n_par"])
+# the selection outputs' batch strides (Tq * HKV * slots) follow the length: not specialised
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_par", "s_ib", "s_cb"])
 def _leaf_topk_kernel(
         p_key, p_score, p_idx, p_cnt, Tq, Tk, n_par,
         s_ib: tl.int64, s_it, s_ih, s_cb: tl.int64, s_ct,
