@@ -4,6 +4,9 @@
 PyTorch), ``triton.select_pyramid_triton`` (the pyramid walk) and ``flat.select_flat_triton`` (flat
 scans, and walks whose beam covers every block). A caller that already holds the pyramid of ``k``
 (the decode cache's, in chunked prefill) passes it in; otherwise it is built here when needed.
+
+With ``query_tile = Qt > 1`` a selection has a row per query tile (``n_query_tiles``) instead of
+per token; ``tiles_to_tokens`` expands it to per-token rows.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..pyramid import Pyramid, build_pyramid
-from ..utils.config import SelectConfig
+from ..utils.config import SelectConfig, n_query_tiles
 from ..utils.geometry import cdiv, level_offsets
 
 
@@ -22,6 +25,15 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
     from .triton import check_pyramid, select_pyramid_triton
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"backend='triton' needs fp16/bf16/fp32 q and k, got {q.dtype}")
+    # selection v2 (PISA_SPEC.md §11) runs in the torch and naive backends only so far
+    if cfg.query_tile > 1:
+        raise ValueError(f"query_tile > 1 (got {cfg.query_tile}) is not yet supported by the "
+                         "triton backend")
+    if cfg.selector == "pyramid" and cfg.scorer == "bound":
+        raise ValueError("bound scorer is not yet supported by the triton backend")
+    if cfg.selector == "pyramid" and cfg.beam_at(2) != cfg.beam:
+        raise ValueError(f"beam_leaf != beam (got {cfg.beam_leaf} and {cfg.beam}) is not yet "
+                         "supported by the triton backend")
     # A beam as wide as the leaf count prunes nothing: the walk reduces to the flat scan of the
     # leaf scores (and candidate tiles that wide would not fit the walk kernel).
     walk = cfg.selector == "pyramid" and cfg.beam < cdiv(k.shape[1], cfg.block_size)
@@ -37,13 +49,14 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
 
 @torch.library.custom_op("pisa::select", mutates_args=())
 def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[Tensor],
+               mins: Optional[Tensor], maxs: Optional[Tensor],
                block_size: int, topk: int, branching: int, beam: int, scorer: str,
-               selector: str, forced_in_budget: bool, scale: float,
-               backend: str) -> tuple[Tensor, Tensor]:
+               selector: str, forced_in_budget: bool, scale: float, query_tile: int,
+               beam_leaf: Optional[int], tile_reduce: str, backend: str) -> tuple[Tensor, Tensor]:
     cfg = SelectConfig(block_size, topk, branching, beam, scorer, selector, forced_in_budget,
-                       scale)
+                       scale, query_tile, beam_leaf, tile_reduce)
     pyramid = None if means is None else Pyramid(
-        means, counts, level_offsets(k.shape[1], block_size, branching))
+        means, counts, level_offsets(k.shape[1], block_size, branching), mins, maxs)
     if backend == "triton":
         return _select_triton(q, k, cfg, pyramid)
     if backend == "naive":  # builds its own fp64 pyramid from the keys
@@ -55,13 +68,14 @@ def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[T
 
 
 @_select_op.register_fake
-def _(q, k, means, counts, block_size, topk, branching, beam, scorer, selector,
-      forced_in_budget, scale, backend):
+def _(q, k, means, counts, mins, maxs, block_size, topk, branching, beam, scorer, selector,
+      forced_in_budget, scale, query_tile, beam_leaf, tile_reduce, backend):
     cfg = SelectConfig(block_size, topk, branching, beam, scorer, selector, forced_in_budget,
-                       scale)
-    B, Tq, HKV = q.shape[0], q.shape[1], k.shape[2]
-    return (q.new_empty((B, Tq, HKV, cfg.slots), dtype=torch.int32),
-            q.new_empty((B, Tq, HKV), dtype=torch.int32))
+                       scale, query_tile, beam_leaf, tile_reduce)
+    B, HKV = q.shape[0], k.shape[2]
+    rows = n_query_tiles(q.shape[1], k.shape[1], query_tile)
+    return (q.new_empty((B, rows, HKV, cfg.slots), dtype=torch.int32),
+            q.new_empty((B, rows, HKV), dtype=torch.int32))
 
 
 def select(q: Tensor, k: Tensor, cfg: SelectConfig, backend: str,
@@ -70,7 +84,21 @@ def select(q: Tensor, k: Tensor, cfg: SelectConfig, backend: str,
 
     ``q [B, Tq, HQ, D]``, ``k [B, Tk, HKV, D]`` (checked), ``cfg`` resolved, ``backend`` one of
     ``"torch"``, ``"triton"``, ``"naive"``; ``pyramid``: the pyramid of ``k`` if the caller holds
-    it. Returns ``block_idx [B, Tq, HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and
-    ``counts [B, Tq, HKV] int32``. No gradient."""
-    means, counts = (None, None) if pyramid is None else (pyramid.means, pyramid.counts)
-    return _select_op(q, k, means, counts, *cfg.astuple(), backend)
+    it. Returns ``block_idx [B, n_tiles, HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and
+    ``counts [B, n_tiles, HKV] int32``, a row per query tile: ``n_tiles =
+    n_query_tiles(Tq, Tk, cfg.query_tile)``, ``Tq`` rows (one per token) for ``query_tile=1``.
+    No gradient."""
+    tensors = (None,) * 4 if pyramid is None else (pyramid.means, pyramid.counts, pyramid.mins,
+                                                   pyramid.maxs)
+    return _select_op(q, k, *tensors, *cfg.astuple(), backend)
+
+
+def tiles_to_tokens(block_idx: Tensor, counts: Tensor, n_queries: int, n_keys: int,
+                    query_tile: int) -> tuple[Tensor, Tensor]:
+    """A selection per query tile (``block_idx [B, n_tiles, HKV, S]``, ``counts [B, n_tiles,
+    HKV]``, of the last ``n_queries`` of ``n_keys`` positions) as the per-token selection
+    ``[B, n_queries, HKV, S]``, ``[B, n_queries, HKV]``: each token takes its tile's row (the
+    reference layout of the attention kernels)."""
+    t0 = n_keys - n_queries
+    tile = torch.arange(t0, n_keys, device=block_idx.device) // query_tile - t0 // query_tile
+    return block_idx.index_select(1, tile), counts.index_select(1, tile)

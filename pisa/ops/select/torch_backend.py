@@ -1,9 +1,16 @@
 """Block selection, vectorised PyTorch backend (CPU and CUDA): pyramid walk, flat_lse, flat_mean.
 
-Semantics are those of ``naive.naive_select``. Queries are processed in chunks so that memory stays
-O(chunk · (W + forced) · g · D) for the walk; the pyramid's exact leaf stage groups (query, leaf)
-pairs by leaf so that each leaf's keys are read once per group of up to ``PAIRS_PER_GROUP`` queries
-rather than once per query (IO per pair drops from ``C·D`` to about ``(G + C/PAIRS_PER_GROUP)·D``).
+Semantics are those of ``naive.naive_select``, per query tile (``cfg.query_tile`` tokens; one by
+default). Tiles are processed in chunks so that memory stays O(chunk · (W + forced) · g · Qt·G ·
+max(C, D)) for the walk and the leaf stage; the pyramid's exact leaf stage scores a tile's
+``Qt·G`` query rows against a candidate leaf's ``C`` keys in one product, and groups (tile, leaf)
+pairs by leaf so that each leaf's keys are read once per group of up to ``PAIRS_PER_GROUP``
+query tokens rather than once per tile (IO per token drops from ``C·D`` to about
+``(G + C/PAIRS_PER_GROUP)·D``).
+
+Layout of the scaled queries: ``qs [B, Tc, H, Qt, G, D]`` (a tile's tokens, then the heads of the
+group); the decode step's per-token ``[B, Tc, H, G, D]`` is accepted as ``Qt = 1``. Per-token
+group scores ``[..., Qt]`` reduce to a tile's score by ``reduce_tokens``.
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import torch
 
 from ..pyramid import Pyramid
 from ..pyramid.torch_backend import build_pyramid_torch
-from ..utils.config import CHUNK_ELEMS, MAX_FORCED, PAIRS_PER_GROUP, SelectConfig
+from ..utils.config import CHUNK_ELEMS, MAX_FORCED, PAIRS_PER_GROUP, SelectConfig, n_query_tiles
 from ..utils.csr import group_pairs
 from ..utils.geometry import cdiv, compute_dtype, forced_leaves_tensor
 
@@ -51,6 +58,25 @@ def group_score(z: torch.Tensor, weight: torch.Tensor, scorer: str,
     return per_head.sum(-1)
 
 
+def reduce_tokens(score: torch.Tensor, ok: torch.Tensor | None, tile_reduce: str) -> torch.Tensor:
+    """A tile's score from its tokens' group scores ``score [..., Qt]``: their sum or log-sum-exp
+    (``tile_reduce``) over the tokens where ``ok`` (broadcastable bool; ``None``: all) holds.
+    Consumes ``score``."""
+    if tile_reduce == "sum":
+        return (score if ok is None else torch.where(ok, score, 0.0)).sum(-1)
+    return _logsumexp(score if ok is None else torch.where(ok, score, -math.inf))
+
+
+def _as_tiles(qs: torch.Tensor) -> torch.Tensor:
+    """Per-token queries ``[B, Tc, H, G, D]`` as tiles of one token ``[B, Tc, H, 1, G, D]``."""
+    return qs if qs.dim() == 6 else qs.unsqueeze(3)
+
+
+def _tile_ok(tok_ok: torch.Tensor | None) -> torch.Tensor | None:
+    """``tok_ok [Tc, Qt]`` broadcast against scores ``[B, Tc, H, X, Qt]``."""
+    return None if tok_ok is None else tok_ok[:, None, None, :]
+
+
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x [B, N, H, D]`` gathered at ``idx [B, Tc, H, M]`` (clamped) -> ``[B, Tc, H, M, D]``."""
     B, N, H, D = x.shape
@@ -62,28 +88,32 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return flat[gidx.reshape(-1)].view(B, Tc, H, M, D)
 
 
-def _exact_leaf_scores(qs, k_blocks, cand, scorer):
+def _exact_leaf_scores(qs, k_blocks, cand, scorer, tok_ok, tile_reduce):
     """Exact per-leaf scores over every key of each candidate leaf.
 
-    ``qs [B, Tc, H, G, D]`` scaled queries, ``k_blocks [B*H*N, C, D]``, ``cand [B, Tc, H, M]``
-    (leaf ids, -1 = none). Returns ``[B, Tc, H, M]`` with -inf where ``cand < 0``. Pairs are
-    grouped by leaf so each group of queries shares one read of the leaf's keys.
+    ``qs [B, Tc, H, Qt, G, D]`` scaled queries, ``k_blocks [B*H*N, C, D]``, ``cand [B, Tc, H, M]``
+    (leaf ids, -1 = none; every one ends before its tile's block, so no key needs a causal mask),
+    ``tok_ok [Tc, Qt]`` (which tokens are queries). Returns ``[B, Tc, H, M]`` with -inf where
+    ``cand < 0``. Pairs are grouped by leaf so each group of tiles shares one read of the leaf's
+    keys: one product of the group's ``tiles · Qt · G`` query rows with its ``C`` keys.
     """
-    B, Tc, H, G, D = qs.shape
+    B, Tc, H, Qt, G, D = qs.shape
     N = k_blocks.shape[0] // (B * H)
     out = torch.full(cand.shape, -math.inf, dtype=qs.dtype, device=qs.device)
     b, t, h, m = torch.nonzero(cand >= 0, as_tuple=True)
     if b.numel() == 0:
         return out
-    pg = group_pairs((b * H + h) * N + cand[b, t, h, m].long(), B * H * N, PAIRS_PER_GROUP)
-    q_rows = torch.cat([qs.reshape(-1, G, D), qs.new_zeros(1, G, D)])  # last row: empty slot
+    size = max(1, PAIRS_PER_GROUP // Qt)  # tiles per group: about PAIRS_PER_GROUP tokens
+    pg = group_pairs((b * H + h) * N + cand[b, t, h, m].long(), B * H * N, size)
+    rows = Qt * G
+    q_rows = torch.cat([qs.reshape(-1, rows, D), qs.new_zeros(1, rows, D)])  # last: empty slot
     qbuf = q_rows[pg.layout((b * Tc + t) * H + h, q_rows.shape[0] - 1)]
-    z = torch.bmm(qbuf.view(pg.n_groups, PAIRS_PER_GROUP * G, D),
-                  k_blocks[pg.block].transpose(1, 2))
-    z = z.view(pg.n_groups, PAIRS_PER_GROUP, G, -1)
+    z = torch.bmm(qbuf.view(pg.n_groups, size * rows, D), k_blocks[pg.block].transpose(1, 2))
+    z = z.view(pg.n_groups, size, Qt, G, -1)
     score = group_score(z, torch.ones_like(z[..., :1, :]), scorer, unit_weight=True)
     o = pg.order
-    out[b[o], t[o], h[o], m[o]] = score[pg.group, pg.slot]
+    out[b[o], t[o], h[o], m[o]] = reduce_tokens(score[pg.group, pg.slot], tok_ok[t[o]],
+                                                tile_reduce)
     return out
 
 
@@ -123,41 +153,78 @@ def finish_selection(cand, score, forced, cfg: SelectConfig):
     return idx, counts.to(torch.int32)
 
 
-def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
+def _level_bounds(pyr: Pyramid, lvl: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mins, maxs) [B, N_l, HKV, D]`` of 1-based level ``lvl`` (a pyramid built with bounds)."""
+    lo, hi = pyr.offsets[lvl - 1], pyr.offsets[lvl]
+    return pyr.mins[:, lo:hi], pyr.maxs[:, lo:hi]
+
+
+def bound_logits(rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``sum_d max(q_d lo_d, q_d hi_d)``, the largest ``q . k`` over keys ``k`` in the box
+    ``[lo, hi]`` (a node's per-channel key min and max): scaled query rows ``rows [B, Tc, H, M, D]``
+    against boxes ``lo, hi [B, Tc, H, A, R, D]`` -> ``[B, Tc, H, A, M, R]``. Computed as
+    ``q+ . hi + q- . lo`` (``q+ = max(q, 0)``, ``q- = min(q, 0)``): two products, no temporary of
+    ``D`` values per logit."""
+    return (torch.einsum("bthmd,bthard->bthamr", rows.clamp_min(0), hi)
+            + torch.einsum("bthmd,bthard->bthamr", rows.clamp_max(0), lo))
+
+
+def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig, tok_ok=None):
     """Beam search from the root to level 2; returns candidate leaves ``[B, Tc, H, M]`` (valid ones
     ascending: each level's nodes are the children of the kept nodes, sorted).
 
-    ``t_abs [Tc]`` or ``[B, Tc]`` (positions per sequence, as in decode), ``forced`` its forced
-    leaves (``forced_leaves_tensor``)."""
-    B, Tc, H, G, D = qs.shape
+    ``qs`` scaled queries ``[B, Tc, H, Qt, G, D]`` (tiles) or ``[B, Tc, H, G, D]`` (tokens);
+    ``t_abs [Tc]`` or ``[B, Tc]`` (positions per sequence, as in decode): a position inside the
+    row's block (the token's, or the tile's last query), ``forced`` its forced leaves
+    (``forced_leaves_tensor``), ``tok_ok [Tc, Qt]`` which tile tokens are queries (``None``: all).
+    Nodes are ranked by the tile score (``reduce_tokens``) of their group scores; ``scorer="bound"``
+    needs ``pyr`` built with bounds."""
+    qs = _as_tiles(qs)
+    B, Tc, H, Qt, G, D = qs.shape
     g, C = cfg.branching, cfg.block_size
     dev = qs.device
+    rows = qs.flatten(3, 4)  # [B, Tc, H, Qt*G, D]: a tile's query rows, token-major
+    bound = cfg.scorer == "bound"
+    if bound and pyr.mins is None:
+        raise ValueError("scorer='bound' needs a pyramid built with bounds=True (per-node key "
+                         "mins and maxs)")
+    scorer = "lse" if bound else cfg.scorer
+    ok = _tile_ok(tok_ok)
     active = torch.zeros(B, Tc, H, 1, dtype=torch.long, device=dev)
     kids = torch.arange(g, device=dev)
     for lvl in range(pyr.n_levels, 1, -1):
         span = g ** (lvl - 1)
+        beam = cfg.beam_at(lvl)
         child_means, child_counts = pyr.level(lvl - 1)
         n_child = child_counts.shape[0]
         valid = (active >= 0) & (active * span * C <= t_abs[..., None, None])
         forced_here = torch.where(forced >= 0, forced // span, -1)
         is_forced = is_in(active, forced_here) & valid
         rest = valid & ~is_forced
-        if active.shape[-1] > cfg.beam:
+        if active.shape[-1] > beam:
             child = active[..., None] * g + kids  # [B, Tc, H, A, g]
             child_ok = rest[..., None] & (child < n_child)
-            cm = _gather_rows(child_means, child.flatten(-2)).view(*child.shape, D)
-            z = torch.einsum("bthgd,bthard->bthagr", qs, cm)
+            A = child.shape[3]
+            if bound:
+                lo, hi = (_gather_rows(x, child.flatten(-2)).view(*child.shape, D)
+                          for x in _level_bounds(pyr, lvl - 1))
+                z = bound_logits(rows, lo, hi)
+            else:
+                cm = _gather_rows(child_means, child.flatten(-2)).view(*child.shape, D)
+                z = torch.einsum("bthmd,bthard->bthamr", rows, cm)
+            z = z.view(B, Tc, H, A, Qt, G, g)
             w = torch.where(child_ok, child_counts[child.clamp(0, n_child - 1)].to(qs.dtype), 0.0)
-            score = group_score(z, w[..., None, :], cfg.scorer)
+            score = reduce_tokens(group_score(z, w[..., None, None, :], scorer), ok,
+                                  cfg.tile_reduce)
             score = torch.where(rest, score, -math.inf)
-            width = min(cfg.beam, score.shape[-1])
+            width = min(beam, score.shape[-1])
             best, pos = _top(score, width)
             top = torch.zeros_like(rest).scatter_(-1, pos, torch.isfinite(best))
             rest = rest & top
         keep = is_forced | rest
         big = torch.iinfo(torch.long).max
         kept = torch.sort(torch.where(keep, active, big), dim=-1).values
-        kept = kept[..., :cfg.beam + MAX_FORCED]
+        kept = kept[..., :beam + MAX_FORCED]
         child = kept[..., None] * g + kids
         child = torch.where((kept[..., None] != big) & (child < n_child), child, -1)
         active = child.flatten(-2)
@@ -166,7 +233,10 @@ def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig):
 
 def select_torch(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
                  pyramid: Pyramid | None = None):
-    """Vectorised selection; returns ``(block_idx [B, Tq, HKV, slots] int32, counts [B, Tq, HKV])``.
+    """Vectorised selection per query tile; returns ``(block_idx [B, n_tiles, HKV, slots] int32,
+    counts [B, n_tiles, HKV])``, ``n_tiles = n_query_tiles(Tq, Tk, cfg.query_tile)`` (``Tq`` for
+    per-token selection). ``pyramid``: that of ``k``, built here when not given (or when
+    ``scorer="bound"`` needs bounds it lacks).
 
     Runs under ``torch.no_grad``: selection is not differentiable.
     """
@@ -174,71 +244,94 @@ def select_torch(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
         return _select(q, k, cfg, pyramid)
 
 
+def _tile_queries(q: torch.Tensor, n_keys: int, H: int, cfg: SelectConfig, first: int,
+                  last: int):
+    """The scaled queries of the absolute tiles ``[first, last)`` with ``H`` KV heads:
+    ``qs [B, Tc, H, Qt, G, D]`` (zero rows where a tile position is no query), ``tok_ok [Tc, Qt]``
+    (which are queries) and ``t_ref [Tc]`` (each tile's last query position)."""
+    B, Tq, HQ, D = q.shape
+    Qt, t0 = cfg.query_tile, n_keys - Tq
+    pos = torch.arange(first * Qt, last * Qt, device=q.device)  # absolute tile positions
+    lo, hi = max(first * Qt, t0), min(last * Qt, n_keys)  # the queries among them
+    rows = torch.nn.functional.pad(q[:, lo - t0:hi - t0].to(compute_dtype(q)),
+                                   (0, 0, 0, 0, lo - first * Qt, last * Qt - hi))
+    qs = rows.view(B, last - first, Qt, H, HQ // H, D).permute(0, 1, 3, 2, 4, 5) * cfg.scale
+    tok_ok = ((pos >= t0) & (pos < n_keys)).view(last - first, Qt)
+    return qs, tok_ok, pos.clamp_max(n_keys - 1).view(last - first, Qt)[:, -1]
+
+
 def _select(q, k, cfg, pyramid):
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
-    G, C = HQ // H, cfg.block_size
+    G, C, Qt, g = HQ // H, cfg.block_size, cfg.query_tile, cfg.branching
     N = cdiv(Tk, C)
     dev = q.device
     ct = compute_dtype(q)
-    if pyramid is None:
-        pyramid = build_pyramid_torch(k, C, cfg.branching)
+    bound = cfg.selector == "pyramid" and cfg.scorer == "bound"
+    if pyramid is None or (bound and pyramid.mins is None):
+        pyramid = build_pyramid_torch(k, C, g, bounds=bound)
     leaf_means = pyramid.level(1)[0]
     k_blocks = None
-    if cfg.selector == "pyramid" and cfg.scorer != "mean":
+    if cfg.selector == "pyramid" and cfg.leaf_scorer != "mean":
         kp = torch.nn.functional.pad(k.to(ct), (0, 0, 0, 0, 0, N * C - Tk))
         k_blocks = kp.view(B, N, C, H, D).permute(0, 3, 1, 2, 4).reshape(B * H * N, C, D)
-    if cfg.selector == "pyramid":
-        width = cfg.branching * (cfg.beam + MAX_FORCED)
-        per_token = B * H * width * max(G * D, cfg.branching * D)
+    if cfg.selector == "pyramid":  # largest: the leaf products, the gathered summaries
+        width = g * (max(cfg.beam, cfg.beam_at(2)) + MAX_FORCED)
+        per_tile = B * H * width * max(Qt * G * max(C, D), 2 * g * D)
     elif cfg.selector == "flat_lse":
-        per_token = B * HQ * (Tk + C)
+        per_tile = B * HQ * Qt * (Tk + C)
     else:
-        per_token = B * H * (N + D)
-    chunk = max(16, min(Tq, CHUNK_ELEMS // max(per_token, 1)))
-    idx_out = torch.empty(B, Tq, H, cfg.slots, dtype=torch.int32, device=dev)
-    cnt_out = torch.empty(B, Tq, H, dtype=torch.int32, device=dev)
-    for s in range(0, Tq, chunk):
-        e = min(Tq, s + chunk)
-        t_abs = torch.arange(Tk - Tq + s, Tk - Tq + e, device=dev)
-        forced = forced_leaves_tensor(t_abs, C)
-        qs = q[:, s:e].to(ct).view(B, e - s, H, G, D) * cfg.scale
+        per_tile = B * H * Qt * (N + D)
+    first, n_tiles = (Tk - Tq) // Qt, n_query_tiles(Tq, Tk, Qt)
+    chunk = max(max(1, 16 // Qt), min(n_tiles, CHUNK_ELEMS // max(per_tile, 1)))
+    idx_out = torch.empty(B, n_tiles, H, cfg.slots, dtype=torch.int32, device=dev)
+    cnt_out = torch.empty(B, n_tiles, H, dtype=torch.int32, device=dev)
+    for s in range(0, n_tiles, chunk):
+        e = min(n_tiles, s + chunk)
+        qs, tok_ok, t_ref = _tile_queries(q, Tk, H, cfg, first + s, first + e)
+        forced = forced_leaves_tensor(t_ref, C)
         if cfg.selector == "pyramid":
-            cand = walk(qs, pyramid, t_abs, forced, cfg)
-            free = (cand >= 0) & (cand * C <= t_abs[None, :, None, None]) & ~is_in(cand, forced)
+            cand = walk(qs, pyramid, t_ref, forced, cfg, tok_ok)
+            free = (cand >= 0) & (cand * C <= t_ref[None, :, None, None]) & ~is_in(cand, forced)
             cand = torch.where(free, cand, -1)
-            if cfg.scorer == "mean":
-                score = flat_mean_scores(qs, leaf_means, cand)
+            if cfg.leaf_scorer == "mean":
+                score = flat_mean_scores(qs, leaf_means, cand, tok_ok, cfg.tile_reduce)
             else:
-                score = _exact_leaf_scores(qs, k_blocks, cand, cfg.scorer)
+                score = _exact_leaf_scores(qs, k_blocks, cand, cfg.leaf_scorer, tok_ok,
+                                           cfg.tile_reduce)
         else:
-            n_end = int(t_abs[-1]) // C + 1
+            n_end = int(t_ref[-1]) // C + 1
             cand = torch.arange(n_end, device=dev).expand(B, e - s, H, n_end)
-            free = (cand * C <= t_abs[None, :, None, None]) & ~is_in(cand, forced)
+            free = (cand * C <= t_ref[None, :, None, None]) & ~is_in(cand, forced)
             if cfg.selector == "flat_lse":
                 score = _flat_lse_scores(qs, k, n_end * C, C)
             else:
-                score = torch.einsum("bthd,bnhd->bthn", qs.sum(3), leaf_means[:, :n_end])
+                score = torch.einsum("bthqd,bnhd->bthnq", qs.sum(4), leaf_means[:, :n_end])
+            score = reduce_tokens(score, _tile_ok(tok_ok), cfg.tile_reduce)
             score = torch.where(free, score, -math.inf)
             cand = torch.where(free, cand, -1)
         idx_out[:, s:e], cnt_out[:, s:e] = finish_selection(cand, score, forced, cfg)
     return idx_out, cnt_out
 
 
-def flat_mean_scores(qs, leaf_means, cand):
-    """``sum_h scale q_h . mean_leaf`` for candidate leaves (-inf where ``cand < 0``)."""
+def flat_mean_scores(qs, leaf_means, cand, tok_ok=None, tile_reduce="sum"):
+    """``sum_h scale q_h . mean_leaf`` for candidate leaves ``cand [B, Tc, H, M]``, reduced over a
+    tile's tokens (``reduce_tokens``; ``qs`` tiles or tokens, as ``walk``'s): ``[B, Tc, H, M]``,
+    -inf where ``cand < 0``."""
     rows = _gather_rows(leaf_means, cand)  # [B, Tc, H, M, D]
-    score = torch.einsum("bthd,bthmd->bthm", qs.sum(3), rows)
+    score = torch.einsum("bthqd,bthmd->bthmq", _as_tiles(qs).sum(4), rows)
+    score = reduce_tokens(score, _tile_ok(tok_ok), tile_reduce)
     return torch.where(cand >= 0, score, -math.inf)
 
 
 def _flat_lse_scores(qs, k, n_keys, block_size):
-    """Exact block LSE of every block in ``[0, n_keys)``, summed over the group's heads."""
-    B, Tc, H, G, D = qs.shape
+    """Exact block LSE of every block in ``[0, n_keys)``, summed over the group's heads, per token
+    of the tiles ``qs [B, Tc, H, Qt, G, D]``: ``[B, Tc, H, n_keys / block_size, Qt]``."""
+    B, Tc, H, Qt, G, D = qs.shape
     Tk = k.shape[1]
     kk = k[:, :min(n_keys, Tk)].to(qs.dtype)
-    z = torch.einsum("bthgd,bshd->bthgs", qs, kk)
+    z = torch.einsum("bthmd,bshd->bthms", qs.flatten(3, 4), kk)
     if z.shape[-1] < n_keys:
         z = torch.nn.functional.pad(z, (0, n_keys - z.shape[-1]), value=-math.inf)
-    z = z.view(B, Tc, H, G, n_keys // block_size, block_size)
-    return _logsumexp(z).sum(3)
+    z = z.view(B, Tc, H, Qt, G, n_keys // block_size, block_size)
+    return _logsumexp(z).sum(4).transpose(-1, -2)

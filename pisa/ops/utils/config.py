@@ -15,9 +15,11 @@ import torch
 
 from .geometry import cdiv
 
-SCORERS = ("lse", "mean", "meanvar")
+SCORERS = ("lse", "mean", "meanvar", "bound")
 SELECTORS = ("pyramid", "flat_lse", "flat_mean", "auto")
 BACKENDS = ("auto", "torch", "triton", "naive")
+# How a query tile's tokens combine their per-token group scores of a candidate (``query_tile``).
+TILE_REDUCES = ("sum", "lse")
 # Forced leaves per query: the sink (first block), the previous block and the current block.
 MAX_FORCED = 3
 # Below this key length `selector="auto"` uses the flat exact-LSE scan; from it up, the pyramid.
@@ -50,6 +52,29 @@ class SelectConfig:
     selector: str = "pyramid"
     forced_in_budget: bool = True
     scale: float = 0.125
+    # Selection v2 (PISA_SPEC.md §11), appended after the v1 fields that callers pass by position.
+    # Tokens at absolute positions [i * query_tile, (i + 1) * query_tile) share one selection.
+    query_tile: int = 1
+    # Beam at the lowest internal level (level 2); None: ``beam``. Read it through ``beam_at``.
+    beam_leaf: int | None = None
+    # How a tile's tokens combine their group scores of a candidate: one of TILE_REDUCES.
+    tile_reduce: str = "sum"
+
+    def beam_at(self, level: int) -> int:
+        """Beam kept at 1-based pyramid ``level`` (>= 2): ``beam_leaf`` at level 2, whose children
+        are the leaves, ``beam`` above (``beam_leaf=None`` keeps ``beam`` everywhere)."""
+        return self.beam if level != 2 or self.beam_leaf is None else self.beam_leaf
+
+    @property
+    def leaf_scorer(self) -> str:
+        """How a candidate leaf is scored from its keys: the exact LSE for ``flat_lse`` and for
+        the bound scorer (the bound only ranks internal nodes), the mean logit for
+        ``flat_mean``, the pyramid's ``scorer`` otherwise."""
+        if self.selector == "flat_mean":
+            return "mean"
+        if self.selector == "flat_lse" or self.scorer == "bound":
+            return "lse"
+        return self.scorer
 
     @property
     def slots(self) -> int:
@@ -64,6 +89,15 @@ class SelectConfig:
         """The fields in order: the scalar arguments of the custom ops (``SelectConfig(*t)``
         rebuilds it)."""
         return astuple(self)
+
+
+def n_query_tiles(n_queries: int, n_keys: int, query_tile: int) -> int:
+    """Rows of a selection by query tiles: the aligned tiles ``[i * Qt, (i + 1) * Qt)`` of absolute
+    positions that the queries ``[n_keys - n_queries, n_keys)`` touch (the first and the last may
+    be partial). ``n_queries`` for ``query_tile = 1``; 0 without queries."""
+    if n_queries == 0:
+        return 0
+    return (n_keys - 1) // query_tile - (n_keys - n_queries) // query_tile + 1
 
 
 def default_scale(head_dim: int) -> float:
@@ -101,7 +135,9 @@ def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = Select
                 branching: int = SelectConfig.branching, beam: int | None = None,
                 scorer: str = SelectConfig.scorer, selector: str = SelectConfig.selector,
                 forced_in_budget: bool = SelectConfig.forced_in_budget,
-                scale: float | None = None, backend: str = "torch") -> None:
+                scale: float | None = None, backend: str = "torch",
+                query_tile: int = SelectConfig.query_tile, beam_leaf: int | None = None,
+                tile_reduce: str = SelectConfig.tile_reduce) -> None:
     """Check the selection knobs without tensors (``resolve_config`` runs this first; objects made
     before their inputs exist, such as ``PisaAttention``, run it at construction): a
     ``TypeError`` naming a knob of the wrong type, a ``ValueError`` naming one out of range.
@@ -123,10 +159,17 @@ def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = Select
         raise ValueError(
             f"topk must be an int >= {min_topk} (the {MAX_FORCED} forced blocks count inside the "
             f"budget when forced_in_budget=True), got {topk!r}")
-    if beam is not None:
-        _check_int("beam", beam)
-        if beam < 1:
-            raise ValueError(f"beam must be a positive int or None, got {beam!r}")
+    for name, width in (("beam", beam), ("beam_leaf", beam_leaf)):
+        if width is not None:
+            _check_int(name, width)
+            if width < 1:
+                raise ValueError(f"{name} must be a positive int or None, got {width!r}")
+    _check_int("query_tile", query_tile)
+    if query_tile < 1 or query_tile > block_size or query_tile & (query_tile - 1):
+        raise ValueError(f"query_tile must be a power of two in [1, block_size={block_size}] (a "
+                         f"tile lies inside one leaf block), got {query_tile!r}")
+    if tile_reduce not in TILE_REDUCES:
+        raise ValueError(f"tile_reduce must be one of {TILE_REDUCES}, got {tile_reduce!r}")
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
         raise TypeError(f"scale must be a real number or None, got {scale!r} "
                         f"({type(scale).__name__})")
@@ -159,13 +202,18 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
                    branching: int = SelectConfig.branching, beam: int | None = None,
                    scorer: str = SelectConfig.scorer, selector: str = SelectConfig.selector,
                    forced_in_budget: bool = SelectConfig.forced_in_budget,
-                   scale: float | None = None) -> SelectConfig:
+                   scale: float | None = None, query_tile: int = SelectConfig.query_tile,
+                   beam_leaf: int | None = None,
+                   tile_reduce: str = SelectConfig.tile_reduce) -> SelectConfig:
     """Check the selection knobs for the resolved ``backend`` and fill in defaults (``beam``:
     ``topk``; ``scale``: ``D ** -0.5``; ``selector="auto"`` by ``k``'s length); raise
-    ``ValueError`` (or ``TypeError``, for a knob of the wrong type) naming the bad one."""
+    ``ValueError`` (or ``TypeError``, for a knob of the wrong type) naming the bad one.
+    ``beam_leaf=None`` stays ``None``: it means ``beam`` (``SelectConfig.beam_at``), so that a
+    config made with ``SelectConfig(beam=...)`` and a resolved one compare equal."""
     check_knobs(block_size=block_size, topk=topk, branching=branching, beam=beam, scorer=scorer,
                 selector=selector, forced_in_budget=forced_in_budget, scale=scale,
-                backend=backend)
+                backend=backend, query_tile=query_tile, beam_leaf=beam_leaf,
+                tile_reduce=tile_reduce)
     if beam is None:
         beam = topk
     if scale is None:
@@ -173,7 +221,7 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
     if selector == "auto":
         selector = "flat_lse" if k.shape[1] < AUTO_CROSSOVER_T else "pyramid"
     return SelectConfig(block_size, topk, branching, beam, scorer, selector,
-                        bool(forced_in_budget), float(scale))
+                        bool(forced_in_budget), float(scale), query_tile, beam_leaf, tile_reduce)
 
 
 def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:

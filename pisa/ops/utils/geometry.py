@@ -59,11 +59,14 @@ def forced_leaves(t_abs: int, block_size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Pyramid:
-    """The key pyramid of ``pisa.ops.pyramid``: every node's mean key and key count."""
+    """The key pyramid of ``pisa.ops.pyramid``: every node's mean key and key count, and, when
+    built with ``bounds=True`` (for ``scorer="bound"``), the per-channel min and max of its keys."""
 
     means: torch.Tensor   # [B, N_total, HKV, D] fp32 (fp64 from fp64 keys in the torch build)
     counts: torch.Tensor  # [N_total] int32
     offsets: tuple[int, ...]  # len = n_levels + 1; level l (1-based) is [offsets[l-1], offsets[l])
+    mins: torch.Tensor | None = None  # [B, N_total, HKV, D], the dtype and layout of ``means``
+    maxs: torch.Tensor | None = None  # [B, N_total, HKV, D], the dtype and layout of ``means``
 
     @property
     def n_levels(self) -> int:

@@ -20,3 +20,13 @@ def test_build_pyramid_dispatches(backend, rng):
     assert got.offsets == want.offsets and torch.equal(got.counts, want.counts)
     assert got.means.dtype == torch.float32 and got.means.device == k.device
     torch.testing.assert_close(got.means, want.means, rtol=1e-5, atol=1e-6)
+
+
+def test_build_pyramid_bounds(rng):
+    """``bounds=True`` builds mins and maxs in torch; the Triton builder has none yet."""
+    k = torch.randn(1, 50, 2, 16)
+    pyr = build_pyramid(k, 8, 2, "torch", bounds=True)
+    assert torch.equal(pyr.maxs, build_pyramid_torch(k, 8, 2, bounds=True).maxs)
+    assert build_pyramid(k, 8, 2, "torch").mins is None
+    with pytest.raises(ValueError, match="not yet supported by the triton backend"):
+        build_pyramid(k, 8, 2, "triton", bounds=True)

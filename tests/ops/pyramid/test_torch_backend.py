@@ -35,3 +35,28 @@ def test_torch_pyramid_matches_naive(T, C, g, rng):
         got_means, got_counts = pyr.level(lvl)
         assert torch.equal(got_counts.long(), counts)
         torch.testing.assert_close(got_means.double(), means, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,C,g", [(1, 4, 2), (65, 8, 4), (130, 8, 3), (300, 4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_bounds_are_the_min_and_max_of_every_nodes_keys(T, C, g, dtype, rng):
+    """With ``bounds=True`` every node holds the per-channel min and max of its keys (ragged tail
+    included), exactly; the oracle, which takes them from the keys, agrees; the means are those
+    of the plain build."""
+    k = torch.randn(2, T, 3, 8, dtype=dtype)
+    pyr = build_pyramid_torch(k, C, g, bounds=True)
+    assert build_pyramid_torch(k, C, g).mins is None
+    assert pyr.mins.shape == pyr.means.shape == pyr.maxs.shape
+    assert pyr.mins.dtype == pyr.maxs.dtype == pyr.means.dtype
+    assert torch.equal(pyr.means, build_pyramid_torch(k, C, g).means)
+    levels = naive_pyramid(k, C, g, bounds=True)
+    for lvl, (_, counts, mins, maxs) in enumerate(levels, start=1):
+        lo, hi = pyr.offsets[lvl - 1], pyr.offsets[lvl]
+        span = C * g ** (lvl - 1)
+        for i in range(hi - lo):
+            keys = k[:, i * span:(i + 1) * span]
+            assert torch.equal(pyr.mins[:, lo + i], keys.amin(1))
+            assert torch.equal(pyr.maxs[:, lo + i], keys.amax(1))
+        assert torch.equal(pyr.mins[:, lo:hi].double(), mins)
+        assert torch.equal(pyr.maxs[:, lo:hi].double(), maxs)
+        assert torch.equal(pyr.counts[lo:hi].long(), counts)

@@ -213,3 +213,59 @@ def test_check_qk_rejects_zero_heads_and_head_dims(q_shape, k_shape, msg):
         check_qk(torch.randn(q_shape), torch.randn(k_shape), torch.randn(k_shape))
     check_qk(torch.randn(0, 8, 4, 16), torch.randn(0, 8, 2, 16))
     check_qk(torch.randn(1, 0, 4, 16), torch.randn(1, 8, 2, 16))
+
+
+def test_v2_knobs_resolve_and_round_trip():
+    """``query_tile``, ``beam_leaf`` and ``tile_reduce`` pass through ``resolve_config`` (after the
+    v1 fields, so ``SelectConfig(*cfg.astuple())`` still rebuilds it); ``beam_leaf=None`` means
+    ``beam`` at every level."""
+    q, k = _qk()
+    cfg = resolve_config(q, k, "torch", topk=5, scorer="bound", query_tile=16, beam_leaf=9,
+                         tile_reduce="lse")
+    assert (cfg.query_tile, cfg.beam_leaf, cfg.tile_reduce, cfg.scorer) == (16, 9, "lse", "bound")
+    assert SelectConfig(*cfg.astuple()) == cfg
+    assert [cfg.beam_at(lvl) for lvl in (2, 3, 4)] == [9, 5, 5]
+    plain = resolve_config(q, k, "torch", topk=5)
+    assert (plain.query_tile, plain.beam_leaf, plain.tile_reduce) == (1, None, "sum")
+    assert [plain.beam_at(lvl) for lvl in (2, 3)] == [5, 5]
+    assert SelectConfig(beam=7).beam_at(2) == 7
+
+
+def test_leaf_scorer():
+    """Leaves are scored by their exact LSE for flat_lse and the bound scorer."""
+    assert SelectConfig(scorer="bound").leaf_scorer == "lse"
+    assert SelectConfig(scorer="meanvar").leaf_scorer == "meanvar"
+    assert SelectConfig(scorer="meanvar", selector="flat_lse").leaf_scorer == "lse"
+    assert SelectConfig(selector="flat_mean").leaf_scorer == "mean"
+
+
+@pytest.mark.parametrize("knobs,exc,msg", [
+    (dict(query_tile=3), ValueError, "query_tile must be a power of two in \\[1, block_size=64\\]"),
+    (dict(query_tile=0), ValueError, "query_tile must be a power of two"),
+    (dict(query_tile=32, block_size=16), ValueError, "block_size=16"),
+    (dict(query_tile=4.0), TypeError, "query_tile must be an int"),
+    (dict(query_tile=True), TypeError, "query_tile must be an int"),
+    (dict(beam_leaf=0), ValueError, "beam_leaf must be a positive int or None"),
+    (dict(beam_leaf=2.0), TypeError, "beam_leaf must be an int"),
+    (dict(tile_reduce="max"), ValueError, "tile_reduce must be one of \\('sum', 'lse'\\)"),
+    (dict(scorer="bounds"), ValueError, "scorer must be one of")], ids=lambda x: str(x)[:30])
+def test_v2_knob_checks(knobs, exc, msg):
+    """Each new knob is checked by ``check_knobs`` (so by ``resolve_config``), naming it."""
+    from pisa.ops.utils.config import check_knobs
+    with pytest.raises(exc, match=msg):
+        check_knobs(**knobs)
+    q, k = _qk()
+    with pytest.raises(exc, match=msg):
+        resolve_config(q, k, "torch", **knobs)
+    check_knobs(query_tile=64, beam_leaf=None, tile_reduce="lse", scorer="bound")
+    check_knobs(query_tile=1, block_size=4, beam_leaf=32)
+
+
+def test_n_query_tiles_counts_the_aligned_tiles_touched():
+    """The formula against a direct count of the tiles of absolute positions ``Tk-Tq .. Tk-1``."""
+    from pisa.ops.utils.config import n_query_tiles
+    for Qt in (1, 2, 4, 16):
+        for Tk in range(0, 40):
+            for Tq in range(0, Tk + 1):
+                want = len({t // Qt for t in range(Tk - Tq, Tk)})
+                assert n_query_tiles(Tq, Tk, Qt) == want, (Tq, Tk, Qt)
