@@ -1,7 +1,9 @@
 """The attention oracle: fp64, Python loops, small N only (``PISA_SPEC.md`` §5).
 
 Query ``t`` of ``q [B, Tq, HQ, D]`` sits at absolute position ``Tk - Tq + t`` (bottom-right causal)
-and attends the keys ``j <= Tk - Tq + t`` of its selected blocks, shared by its GQA group.
+and attends the keys ``j <= Tk - Tq + t`` of its selected blocks, shared by its GQA group. A tile
+selection (``query_tile > 1``: a row per aligned tile of ``query_tile`` absolute positions) is
+expanded to per-token rows first (``token_rows``).
 """
 from __future__ import annotations
 
@@ -9,15 +11,31 @@ import math
 
 import torch
 
+from ..utils.csr import token_tile_rows
 
-def naive_attn(q, k, v, block_idx: torch.Tensor, block_size: int, scale: float):
+
+def token_rows(block_idx: torch.Tensor, n_queries: int, n_keys: int,
+               query_tile: int) -> torch.Tensor:
+    """The per-token selection ``[B, n_queries, HKV, S]`` of a selection by query tiles
+    (``[B, n_query_tiles(n_queries, n_keys, query_tile), HKV, S]``): each token takes its tile's
+    row (``utils.csr.token_tile_rows``). ``query_tile = 1``: ``block_idx`` itself."""
+    if query_tile == 1:
+        return block_idx
+    return block_idx.index_select(1, token_tile_rows(n_queries, n_keys, query_tile,
+                                                     block_idx.device))
+
+
+def naive_attn(q, k, v, block_idx: torch.Tensor, block_size: int, scale: float,
+               query_tile: int = 1):
     """Exact softmax attention restricted to the selected blocks (and causality), in fp64.
 
+    ``block_idx`` per token ``[B, Tq, HKV, S]``, or per query tile of ``query_tile`` tokens.
     Differentiable (autograd through the masked dense form). Returns ``o [B, Tq, HQ, D]`` fp64 and
     ``lse [B, HQ, Tq]`` fp64 (natural log; ``-inf`` and ``o = 0`` for a row with no key).
     """
-    B, Tq, HKV, _ = block_idx.shape
     Tk = k.shape[1]
+    block_idx = token_rows(block_idx, q.shape[1], Tk, query_tile)
+    B, Tq, HKV, _ = block_idx.shape
     allowed = torch.zeros(B, Tq, HKV, Tk, dtype=torch.bool)
     for b in range(B):
         for t in range(Tq):

@@ -6,6 +6,8 @@ and values once and computes a partial softmax (max, sum, unnormalised output) w
 the partials of a query's blocks are then merged (as flash-decoding merges splits). The backward
 recomputes probabilities from the saved LSE (as FlashAttention does) in the same grouped layout, so
 dK/dV accumulate per block. Memory is O(chunk · S · G · (C + D)); no ``[T, T]`` or ``[T, N/C]``.
+A tile selection (``query_tile > 1``) is expanded to per-token rows first (``naive.token_rows``,
+``[B, Tq, HKV, S]`` int32: O(N · S) memory) and runs the same path.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from ..utils.config import CHUNK_ELEMS, PAIRS_PER_GROUP
 from ..utils.csr import PairGroups, group_pairs
 from ..utils.geometry import cdiv, compute_dtype
+from .naive import token_rows
 
 
 def _blocked(x: torch.Tensor, block_size: int, dtype) -> torch.Tensor:
@@ -83,9 +86,10 @@ def _chunks(q, k, block_idx):
     return [(s, min(Tq, s + step)) for s in range(0, Tq, step)]
 
 
-def attn_fwd_torch(q, k, v, block_idx, block_size, scale):
+def attn_fwd_torch(q, k, v, block_idx, block_size, scale, query_tile: int = 1):
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
+    block_idx = token_rows(block_idx, Tq, Tk, query_tile)
     G, N = HQ // H, cdiv(Tk, block_size)
     ct = compute_dtype(q)
     kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)
@@ -115,9 +119,10 @@ def attn_fwd_torch(q, k, v, block_idx, block_size, scale):
     return o, lse.transpose(1, 2).contiguous()
 
 
-def attn_bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale):
+def attn_bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, query_tile: int = 1):
     B, Tq, HQ, D = q.shape
     Tk, G = k.shape[1], HQ // k.shape[2]
+    block_idx = token_rows(block_idx, Tq, Tk, query_tile)
     N = cdiv(Tk, block_size)
     ct = compute_dtype(q)
     kb, vb = _blocked(k, block_size, ct), _blocked(v, block_size, ct)

@@ -1,26 +1,40 @@
-"""Triton block-sparse attention over per-token block selections: forward and backward.
+"""Triton block-sparse attention over block selections, per query token or per query tile:
+forward and backward.
 
-Semantics are those of ``naive.naive_attn``: query ``t`` (absolute position
-``Tk - Tq + t``) attends the keys ``j <= Tk - Tq + t`` of the blocks listed in
-``block_idx[b, t, h]`` (ascending, ``-1`` padded), shared by the ``G`` query heads of KV head ``h``.
+Semantics are those of ``naive.naive_attn``: query ``t`` (absolute position ``Tk - Tq + t``)
+attends the keys ``j <= Tk - Tq + t`` of the blocks of its selection row (ascending, ``-1``
+padded), shared by the ``G`` query heads of KV head ``h``. A per-token selection
+``block_idx [B, Tq, HKV, S]`` has a row per token; a tile selection (``query_tile = Qt > 1``,
+``[B, n_query_tiles(Tq, Tk, Qt), HKV, S]``) a row per query tile: tile ``j`` holds the queries at
+absolute positions ``[(t0 // Qt + j) * Qt, + Qt)`` (``t0 = Tk - Tq``; the first and last tiles may
+be partial), all sharing row ``j``.
 
 Design
 ------
-Forward and dQ: one program per (tile of ``BT`` consecutive query tokens, batch x KV head). The
-tile's rows are the (token, head) pairs of one GQA group, token-major, heads padded to a power of
-two, so every K/V block load feeds ``BT * G`` rows of the tensor-core product. The program walks the
-*union* of its tokens' selections, built ahead by ``_tile_union`` (ascending, with a bitmask per
-entry naming the tokens that chose it); rows whose token did not choose a block are masked out of
-the softmax. ``BT = 1`` is the classic per-token kernel; larger tiles fill the tensor cores when
-neighbouring tokens' selections overlap (they share the forced sink / previous / current blocks).
+Per-token forward and dQ (``query_tile = 1``; decode and chunked prefill use it): one program per
+(tile of ``BT`` consecutive query tokens, batch x KV head). The tile's rows are the (token, head)
+pairs of one GQA group, token-major, heads padded to a power of two. The program walks the *union*
+of its tokens' selections, built ahead by ``_tile_union`` (ascending, with a bitmask per entry
+naming the tokens that chose it); rows whose token did not choose a block are masked out.
 
-dK/dV: one program per (key block, KV head, chunk of the queries that chose it). The transpose of
-the selection (per key block, the ascending list of query tokens that chose it) comes from a stable
-sort of the ``B * Tq * HKV * S`` selection entries, O(N * S) memory, never a dense token x block
-mask. Lists are cut into chunks of at most ``dkv_chunk`` tokens so the sink block, which every query
-chooses, does not make one program straggle; the chunks of one block are summed with fp32 atomics,
-or with ``deterministic=True`` through a scratch buffer reduced in a fixed order
-(``utils.csr.block_work_items`` cuts the lists).
+Tile forward and dQ (``query_tile > 1``): one program per (part of a query tile, batch x KV head)
+owns ``BT`` consecutive tokens x ``GP`` heads of one tile (``_tile_part``: a whole tile when
+``Qt * GP`` fits the row budget, else the tile split over ``Qt / BT`` programs that read the same
+block list; small tiles are padded up to a minimum row count rather than merged, so no union
+comes back) and loops over exactly the tile's blocks. Blocks that end at or before the part's
+first position (every block but the tile's own for library selections) run mask-free; only the
+rest (a suffix of the ascending list) take the causal mask.
+
+dK/dV: one program per (key block, KV head, chunk of the selection rows that chose it), the same
+kernel for both selection kinds (``QT`` switches how a step gathers its rows: ``NT`` list entries
+x ``BT`` consecutive tokens x ``GP`` heads; a per-token entry is one token, a tile entry ``Qt``
+contiguous tokens, several tiles per step when they are small, a tile over several steps when it
+is large). The transpose of the selection (per key block, the ascending rows that chose it) comes
+from a stable sort of the selection entries (``utils.csr.block_work_items``), O(entries) memory,
+never a dense row x block mask. Lists are cut into chunks of at most ``dkv_chunk`` query tokens so
+the sink block, which every row chooses, does not make one program straggle; the chunks of one
+block are summed with fp32 atomics, or with ``deterministic=True`` through a scratch buffer reduced
+in a fixed order.
 
 ``PISA_TRITON_POISON=1`` allocates outputs filled with NaN (``utils.op.empty``; tests prove every
 element is written).
@@ -46,7 +60,7 @@ _MAX_TILE_TOKENS = 64
 
 
 # ----------------------------------------------------------------------------------------------
-# kernels
+# kernels: shared pieces
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _group_rows(i_t, T_Q, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
@@ -58,22 +72,45 @@ def _group_rows(i_t, T_Q, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
+def _load_block(p_k, p_v, s_kt, s_vt, i_blk, T_K, C: tl.constexpr, D: tl.constexpr):
+    """K, V ``[C, D]`` of key block ``i_blk`` (zero past ``T_K``) and its key positions ``[C]``."""
+    o_key = i_blk * C + tl.arange(0, C)
+    m_key = o_key < T_K
+    b_k = load_rows(p_k, o_key.to(tl.int64) * s_kt, m_key, D)
+    return b_k, load_rows(p_v, o_key.to(tl.int64) * s_vt, m_key, D), o_key
+
+
+@triton.jit
+def _scores(b_q, b_k, scale_log2, DOT_PREC: tl.constexpr):
+    """Logits ``[rows, C]`` in log2 units."""
+    return tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale_log2
+
+
+@triton.jit
+def _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC: tl.constexpr):
+    """``b_dq [rows, D]`` plus one block's ``dS @ K`` (unscaled) from its probabilities ``b_p``."""
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PREC)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels: per-token selections (forward, dQ)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
 def _union_block(p_union, p_bits, o_bit, t_abs, p_k, p_v, s_kt, s_vt, T_K,
                  C: tl.constexpr, D: tl.constexpr):
     """K, V [C, D] of the union block at ``p_union``, and the [rows, C] mask of the keys each row
     sees."""
-    o_key = tl.load(p_union) * C + tl.arange(0, C)
+    b_k, b_v, o_key = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_union), T_K, C, D)
     # a row sees the block only if its token chose it; t_abs < T_K also masks the ragged tail
     hit = ((tl.load(p_bits) >> o_bit) & 1) != 0
-    m_s = hit[:, None] & (o_key[None, :] <= t_abs[:, None])
-    m_key = o_key < T_K
-    b_k = load_rows(p_k, o_key.to(tl.int64) * s_kt, m_key, D)
-    return b_k, load_rows(p_v, o_key.to(tl.int64) * s_vt, m_key, D), m_s
+    return b_k, b_v, hit[:, None] & (o_key[None, :] <= t_abs[:, None])
 
 
 @triton.jit
-def _tile_setup(q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U,
-                G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
+def _token_setup(q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U,
+                 G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
     """What the forward and dQ programs of one (token tile, batch x KV head) share: the tile's
     rows, its queries ``[BT * GP, D]``, the K/V base pointers and its union-list pointers."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -97,7 +134,8 @@ def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
                 T_Q, T_K, HKV, N_TILES, U, scale_log2,
                 G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
                 C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
-    i_b, o_tok, o_head, m_row, b_q, p_k, p_v, t_abs, i_list, o_list = _tile_setup(
+    """Per-token forward: ``o [B, Tq, HQ, D]``, ``lse [B, HQ, Tq]`` of one token tile's rows."""
+    i_b, o_tok, o_head, m_row, b_q, p_k, p_v, t_abs, i_list, o_list = _token_setup(
         q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U, G, GP, BT, D)
     o_bit = tl.arange(0, BT * GP) // GP
     p_union, p_bits = union + o_list, bits + o_list
@@ -108,9 +146,8 @@ def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
     for i in tl.range(tl.load(n_union + i_list)):
         b_k, b_v, m_s = _union_block(p_union + i, p_bits + i, o_bit, t_abs, p_k, p_v,
                                      s_kt, s_vt, T_K, C, D)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale_log2
-        b_m, b_l, b_acc = online_softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, b_m, b_l,
-                                              b_acc, DOT_PREC)
+        b_s = tl.where(m_s, _scores(b_q, b_k, scale_log2, DOT_PREC), float("-inf"))
+        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
 
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
     store_rows(o + i_b * s_ob, o_tok.to(tl.int64) * s_ot + o_head * s_oh, m_row, b_o, D)
@@ -137,7 +174,8 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
                T_Q, T_K, HKV, N_TILES, U, scale_log2, scale,
                G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
                C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
-    i_b, o_tok, o_head, m_row, b_q, p_k, p_v, t_abs, i_list, o_list = _tile_setup(
+    """Per-token dQ ``[B, Tq, HQ, D]`` of one token tile's rows."""
+    i_b, o_tok, o_head, m_row, b_q, p_k, p_v, t_abs, i_list, o_list = _token_setup(
         q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U, G, GP, BT, D)
     b_do = load_rows(do + i_b * s_gb, o_tok.to(tl.int64) * s_gt + o_head * s_gh, m_row, D)
     o_stat = (i_b * HKV * G + o_head) * T_Q + o_tok
@@ -150,43 +188,171 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
     for i in tl.range(tl.load(n_union + i_list)):
         b_k, b_v, m_s = _union_block(p_union + i, p_bits + i, o_bit, t_abs, p_k, p_v,
                                      s_kt, s_vt, T_K, C, D)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale_log2
         # where, not a -inf score: a row with no key at all has lse = -inf
-        b_p = tl.where(m_s, tl.exp2(b_s - b_lse2[:, None]), 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PREC)
+        b_p = tl.where(m_s, tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC) - b_lse2[:, None]),
+                       0.0)
+        b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC)
     o_dq = o_tok.to(tl.int64) * s_dt + o_head * s_dh
     store_rows(dq + i_b * s_db, o_dq, m_row, b_dq * scale, D)
 
 
+# ----------------------------------------------------------------------------------------------
+# kernels: tile selections (forward, dQ)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_rows(i_p, T_Q, T_K, QT: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr,
+               G: tl.constexpr, GP: tl.constexpr):
+    """The ``BT * GP`` rows of tile program ``i_p``: part ``i_p % NSPLIT`` (``BT`` consecutive
+    tokens) of query tile ``i_p // NSPLIT``, token-major, heads padded to ``GP``. Returns the
+    tile, each row's query token, absolute position, head within the group and validity (a real
+    head of a real query of the tile), and the part's first real position."""
+    i_j = i_p // NSPLIT
+    t0 = T_K - T_Q  # absolute position of query 0
+    p_first = (t0 // QT + i_j) * QT + (i_p % NSPLIT) * BT
+    o_m = tl.arange(0, BT * GP)
+    o_in = o_m // GP  # token within the part (BT > QT pads a small tile)
+    o_pos = p_first + o_in
+    o_tok = o_pos - t0
+    o_hh = o_m % GP
+    m_row = (o_in < QT) & (o_tok >= 0) & (o_tok < T_Q) & (o_hh < G)
+    return i_j, o_tok, o_pos, o_hh, m_row, tl.maximum(p_first, t0)
+
+
+@triton.jit
+def _tile_setup(q, k, v, block_idx, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, s_ib, s_it, s_ih,
+                T_Q, T_K, HKV, S, QT: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr,
+                G: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
+                SP: tl.constexpr):
+    """What the forward and dQ programs of one tile part share: its rows and queries
+    ``[BT * GP, D]``, the K/V base pointers, the pointer to the tile's block list and how many of
+    its blocks lie entirely before the part (``n_free``, a prefix of the ascending list: no causal
+    mask) and in all (``n_sel``)."""
+    i_p, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // HKV).to(tl.int64), (i_bh % HKV).to(tl.int64)
+    i_j, o_tok, o_pos, o_hh, m_row, p_min = _tile_rows(i_p, T_Q, T_K, QT, BT, NSPLIT, G, GP)
+    o_head = i_h * G + o_hh
+    b_q = load_rows(q + i_b * s_qb, o_tok.to(tl.int64) * s_qt + o_head * s_qh, m_row, D)
+    p_sel = block_idx + i_b * s_ib + i_j.to(tl.int64) * s_it + i_h * s_ih
+    o_s = tl.arange(0, SP)
+    b_sel = tl.load(p_sel + o_s, mask=o_s < S, other=-1)
+    m_sel = b_sel >= 0
+    # block c ends at or before the first position p_min: (c + 1) * C <= p_min + 1
+    n_free = tl.sum((m_sel & (b_sel < (p_min + 1) // C)).to(tl.int32))
+    n_sel = tl.sum(m_sel.to(tl.int32))
+    return (i_b, o_tok, o_pos, o_head, m_row, b_q, k + i_b * s_kb + i_h * s_kh,
+            v + i_b * s_vb + i_h * s_vh, p_sel, n_free, n_sel)
+
+
+@triton.jit(do_not_specialize=["T_Q", "T_K", "S"])
+def _tile_fwd_kernel(q, k, v, o, lse, block_idx,
+                     s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh,
+                     s_vb: tl.int64, s_vt, s_vh, s_ob: tl.int64, s_ot, s_oh,
+                     s_ib: tl.int64, s_it, s_ih,
+                     T_Q, T_K, HKV, S, scale_log2,
+                     QT: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, G: tl.constexpr,
+                     GP: tl.constexpr, C: tl.constexpr, D: tl.constexpr, SP: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
+    """Tile forward: ``o [B, Tq, HQ, D]``, ``lse [B, HQ, Tq]`` of one tile part's rows, over the
+    blocks of ``block_idx [B, n_tiles, HKV, S]`` row ``(b, tile, h)``."""
+    i_b, o_tok, o_pos, o_head, m_row, b_q, p_k, p_v, p_sel, n_free, n_sel = _tile_setup(
+        q, k, v, block_idx, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, s_ib, s_it, s_ih,
+        T_Q, T_K, HKV, S, QT, BT, NSPLIT, G, GP, C, D, SP)
+
+    b_m = tl.full([BT * GP], float("-inf"), tl.float32)  # running max, log2 domain
+    b_l = tl.zeros([BT * GP], tl.float32)
+    b_acc = tl.zeros([BT * GP, D], tl.float32)
+    for i in tl.range(n_free):  # blocks entirely before the part: every key is seen
+        b_k, b_v, _ = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_sel + i), T_K, C, D)
+        b_m, b_l, b_acc = online_softmax_step(_scores(b_q, b_k, scale_log2, DOT_PREC), b_v,
+                                              b_m, b_l, b_acc, DOT_PREC)
+    for i in tl.range(n_free, n_sel):  # the tile's own block (and any later one): causal
+        b_k, b_v, o_key = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_sel + i), T_K, C, D)
+        b_s = tl.where(o_key[None, :] <= o_pos[:, None], _scores(b_q, b_k, scale_log2, DOT_PREC),
+                       float("-inf"))
+        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
+
+    b_o, b_lse = softmax_output(b_m, b_l, b_acc)
+    store_rows(o + i_b * s_ob, o_tok.to(tl.int64) * s_ot + o_head * s_oh, m_row, b_o, D)
+    tl.store(lse + (i_b * HKV * G + o_head) * T_Q + o_tok, b_lse, mask=m_row)
+
+
+@triton.jit(do_not_specialize=["T_Q", "T_K", "S"])
+def _tile_dq_kernel(q, k, v, do, lse, delta, dq, block_idx,
+                    s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh,
+                    s_vb: tl.int64, s_vt, s_vh, s_gb: tl.int64, s_gt, s_gh,
+                    s_db: tl.int64, s_dt, s_dh, s_ib: tl.int64, s_it, s_ih,
+                    T_Q, T_K, HKV, S, scale_log2, scale,
+                    QT: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, G: tl.constexpr,
+                    GP: tl.constexpr, C: tl.constexpr, D: tl.constexpr, SP: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    """Tile dQ ``[B, Tq, HQ, D]`` of one tile part's rows."""
+    i_b, o_tok, o_pos, o_head, m_row, b_q, p_k, p_v, p_sel, n_free, n_sel = _tile_setup(
+        q, k, v, block_idx, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, s_ib, s_it, s_ih,
+        T_Q, T_K, HKV, S, QT, BT, NSPLIT, G, GP, C, D, SP)
+    b_do = load_rows(do + i_b * s_gb, o_tok.to(tl.int64) * s_gt + o_head * s_gh, m_row, D)
+    o_stat = (i_b * HKV * G + o_head) * T_Q + o_tok
+    b_lse2 = tl.load(lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
+    b_delta = tl.load(delta + o_stat, mask=m_row, other=0.0)
+
+    b_dq = tl.zeros([BT * GP, D], tl.float32)
+    for i in tl.range(n_free):
+        b_k, b_v, _ = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_sel + i), T_K, C, D)
+        b_p = tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC) - b_lse2[:, None])
+        b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC)
+    for i in tl.range(n_free, n_sel):
+        b_k, b_v, o_key = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_sel + i), T_K, C, D)
+        # where, not a -inf score: a row that sees no key at all has lse = -inf
+        b_p = tl.where(o_key[None, :] <= o_pos[:, None],
+                       tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC) - b_lse2[:, None]), 0.0)
+        b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC)
+    o_dq = o_tok.to(tl.int64) * s_dt + o_head * s_dh
+    store_rows(dq + i_b * s_db, o_dq, m_row, b_dq * scale, D)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels: dK/dV (both selection kinds)
+# ----------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T_Q", "T_K", "N_BLOCKS"])
-def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_tok, items,
+def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_rows, items,
                 s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
                 s_gb: tl.int64, s_gt, s_gh,
                 T_Q, T_K, HKV, N_BLOCKS, scale_log2, scale,
-                G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr,
-                C: tl.constexpr, D: tl.constexpr, ATOMIC: tl.constexpr,
+                G: tl.constexpr, GP: tl.constexpr, QT: tl.constexpr, BT: tl.constexpr,
+                NT: tl.constexpr, C: tl.constexpr, D: tl.constexpr, ATOMIC: tl.constexpr,
                 DOT_PREC: tl.constexpr):
-    """One work item: key block x KV head x chunk of the query tokens that chose the block."""
+    """One work item: key block x KV head x chunk of the selection rows that chose the block
+    (``csc_rows[start:end]``: query tokens for ``QT = 1``, query tiles of ``QT`` tokens else).
+    A step gathers ``NT`` list entries x ``BT`` consecutive tokens x ``GP`` heads (``NT > 1``
+    only with ``BT = QT``; a tile larger than a step takes ``QT / BT`` steps). Writes the block's
+    ``dk, dv`` rows (fp32 ``[B, Tk, HKV, D]``), or adds to them (``ATOMIC``), or writes its
+    chunk's partial sums to scratch row ``slot`` of ``part_k, part_v [n_parts, C, D]``."""
+    NSUB: tl.constexpr = QT // BT
     p_item = items + tl.program_id(0) * 5
     key, start, end = tl.load(p_item), tl.load(p_item + 1), tl.load(p_item + 2)
     slot = tl.load(p_item + 3)
-    i_bh, i_c = key // N_BLOCKS, key % N_BLOCKS
+    # 32-bit block index: the key positions and causal masks of every step derive from it, and
+    # 64-bit ones cost 3 ms of 53 at 128K (items are int64 for their token offsets)
+    i_bh, i_c = key // N_BLOCKS, (key % N_BLOCKS).to(tl.int32)
     i_b, i_h = (i_bh // HKV).to(tl.int64), (i_bh % HKV).to(tl.int64)
-    o_key = i_c * C + tl.arange(0, C)
+    b_k, b_v, o_key = _load_block(k + i_b * s_kb + i_h * s_kh, v + i_b * s_vb + i_h * s_vh,
+                                  s_kt, s_vt, i_c, T_K, C, D)
     m_key = o_key < T_K
-    b_k = load_rows(k + i_b * s_kb + i_h * s_kh, o_key.to(tl.int64) * s_kt, m_key, D)
-    b_v = load_rows(v + i_b * s_vb + i_h * s_vh, o_key.to(tl.int64) * s_vt, m_key, D)
-    o_m = tl.arange(0, BQ * GP)
-    o_head = i_h * G + o_m % GP
+    o_m = tl.arange(0, NT * BT * GP)
+    o_e = o_m // (BT * GP)  # list entry within the step
+    o_in = (o_m // GP) % BT  # token within the entry's part
+    o_hh = o_m % GP
+    o_head = i_h * G + o_hh
+    t0 = T_K - T_Q
+    shift = t0 % QT  # query 0's place in its tile: tile r starts at query r * QT - shift
 
     b_dk = tl.zeros([C, D], tl.float32)
     b_dv = tl.zeros([C, D], tl.float32)
-    for i in tl.range(start, end, BQ):
-        o_pos = i + o_m // GP
-        m_row = (o_pos < end) & (o_m % GP < G)
-        o_tok = tl.load(csc_tok + o_pos, mask=m_row, other=0)
+    for i in tl.range(start * NSUB, end * NSUB, NT):
+        o_pos = i // NSUB + o_e
+        m_ent = o_pos < end
+        o_row = tl.load(csc_rows + o_pos, mask=m_ent, other=0)
+        o_tok = o_row * QT - shift + (i % NSUB) * BT + o_in
+        m_row = m_ent & (o_hh < G) & (o_tok >= 0) & (o_tok < T_Q)
         o_tok64 = o_tok.to(tl.int64)
         b_q = load_rows(q + i_b * s_qb, o_tok64 * s_qt + o_head * s_qh, m_row, D)
         b_do = load_rows(do + i_b * s_gb, o_tok64 * s_gt + o_head * s_gh, m_row, D)
@@ -195,7 +361,7 @@ def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_tok, items,
         b_delta = tl.load(delta + o_stat, mask=m_row, other=0.0)
         # transposed scores [C, rows]: the block's keys are the long side of every product
         b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale_log2
-        m_st = m_row[None, :] & (o_key[:, None] <= (T_K - T_Q + o_tok)[None, :])
+        m_st = m_row[None, :] & (o_key[:, None] <= (t0 + o_tok)[None, :])
         b_pt = tl.where(m_st, tl.exp2(b_st - b_lse2[None, :]), 0.0)
         b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
@@ -225,7 +391,7 @@ def _reduce_parts_kernel(dk, dv, part_k, part_v, items, T_K, HKV, N_BLOCKS,
     n_parts = tl.load(p_item + 4)  # > 0 only on the first chunk of a split block
     if n_parts > 0:
         key, slot = tl.load(p_item), tl.load(p_item + 3)
-        i_bh, i_c = key // N_BLOCKS, key % N_BLOCKS
+        i_bh, i_c = key // N_BLOCKS, (key % N_BLOCKS).to(tl.int32)
         i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
         o_key = i_c * C + tl.arange(0, C)
         m_key = o_key < T_K
@@ -245,9 +411,16 @@ def _reduce_parts_kernel(dk, dv, part_k, part_v, items, T_K, HKV, N_BLOCKS,
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch knobs (the defaults are the measured best on the H200). A tile's rows are (query
-    token, GQA head) pairs: about ``rows // G`` tokens per tile (``_tile_tokens``: a power of two,
-    at least 2 tokens and 16 rows), so ``fwd_rows=128`` with ``G=16`` tiles 8 tokens."""
+    """Launch knobs. A program's rows are (query token, GQA head) pairs.
+
+    Per-token selections (the defaults are the measured best on the H200): about ``rows // G``
+    tokens per tile (``_tile_tokens``: a power of two, at least 2 tokens and 16 rows), so
+    ``fwd_rows=128`` with ``G=16`` tiles 8 tokens.
+
+    Tile selections (``tile_*``, not yet measured): a forward / dQ program owns at most
+    ``tile_fwd_rows`` / ``tile_dq_rows`` rows of one query tile (a larger tile is split over
+    several programs) and at least ``tile_min_rows`` (a smaller tile is padded); a dK/dV step
+    gathers ``tile_dkv_rows`` rows (several small tiles, or a part of a large one)."""
 
     fwd_rows: int = 64
     fwd_warps: int = 4
@@ -259,6 +432,18 @@ class KernelConfig:
     dkv_warps: int = 8
     dkv_stages: int = 2
     dkv_chunk: int = 512  # most query tokens one dK/dV program handles; longer lists are split
+    tile_fwd_rows: int = 128
+    tile_fwd_warps: int = 8
+    tile_fwd_stages: int = 2
+    tile_dq_rows: int = 128
+    tile_dq_warps: int = 8
+    tile_dq_stages: int = 2
+    tile_dkv_rows: int = 64
+    tile_dkv_warps: int = 8
+    tile_dkv_stages: int = 2
+    # 32, not the 16 rows tl.dot needs: 16-row tiles gave wrong outputs on the H200 (see
+    # ``_tile_tokens``)
+    tile_min_rows: int = 32
 
 
 _CFG = KernelConfig()
@@ -276,6 +461,28 @@ def _tile_tokens(rows: int, gp: int) -> int:
     every warps/stages setting tried, while 2-token tiles were right and as fast
     (``docs/design.md``, "Triton tile minimum")."""
     return min(pow2(max(rows // gp, cdiv(16, gp), 2)), _MAX_TILE_TOKENS)
+
+
+def _tile_part(query_tile: int, gp: int, rows: int, min_rows: int, head_dim: int):
+    """Tokens per program ``BT`` and programs per query tile ``NSPLIT`` for the tile forward / dQ:
+    the whole tile when ``query_tile * gp`` rows lie in ``[min_rows, rows]``; split into parts of
+    ``rows // gp`` tokens (at least 2) when larger; padded up to ``min_rows`` rows (at least 16)
+    when smaller. ``head_dim > 128`` halves ``rows`` (the fp32 accumulator ``[rows, D]`` lives in
+    registers)."""
+    rows = pow2(rows if head_dim <= 128 else rows // 2)
+    bt = max(min(query_tile, max(rows // gp, 2)), cdiv(max(min_rows, 16), gp))
+    bt = pow2(bt)
+    return bt, cdiv(query_tile, bt)
+
+
+def _dkv_plan(query_tile: int, gp: int, cfg: KernelConfig):
+    """``(BT, NT, chunk)`` of the dK/dV kernel: a step gathers ``NT`` list entries of ``BT``
+    tokens each; a program takes at most ``chunk`` list entries (about ``dkv_chunk`` tokens)."""
+    if query_tile == 1:
+        return 1, _tile_tokens(cfg.dkv_rows, gp), cfg.dkv_chunk
+    rows = max(pow2(cfg.tile_dkv_rows), 2 * gp, 16)  # at least 2 tokens, and tl.dot's 16 rows
+    bt = min(query_tile, rows // gp)
+    return bt, max(rows // (query_tile * gp), 1), max(cfg.dkv_chunk // query_tile, 1)
 
 
 def _dot_precision(x: torch.Tensor) -> str:
@@ -329,14 +536,15 @@ def _groups(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
 
 
 def _token_tiles(q, k, block_idx, rows: int):
-    """The query-tile plan of the forward and dQ kernels for tiles of about ``rows`` rows:
-    ``(G, GP, BT, union, bits, count)`` (``_tile_union`` of ``BT``-token tiles)."""
+    """The query-tile plan of the per-token forward and dQ kernels for tiles of about ``rows``
+    rows: ``(G, GP, BT, union, bits, count)`` (``_tile_union`` of ``BT``-token tiles)."""
     G, GP = _groups(q, k)
     BT = _tile_tokens(rows, GP)
     return (G, GP, BT) + _tile_union(block_idx, BT)
 
 
 def _attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
+    """Per-token selections ``block_idx [B, Tq, HKV, S]``."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
     G, GP, BT, union, bits, count = _token_tiles(q, k, block_idx, cfg.fwd_rows)
@@ -352,6 +560,25 @@ def _attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
     return o, lse
 
 
+def _tile_fwd(q, k, v, block_idx, block_size, scale, query_tile, cfg: KernelConfig):
+    """Tile selections ``block_idx [B, n_tiles, HKV, S]``."""
+    B, Tq, HQ, D = q.shape
+    Tk, HKV = k.shape[1], k.shape[2]
+    G, GP = _groups(q, k)
+    BT, NSPLIT = _tile_part(query_tile, GP, cfg.tile_fwd_rows, cfg.tile_min_rows, D)
+    o = empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
+    lse = empty(B, HQ, Tq, dtype=torch.float32, device=q.device)
+    n_tiles, S = block_idx.shape[1], block_idx.shape[3]
+    # tile parts vary fastest: the programs resident together read one KV head's keys (L2 reuse)
+    _tile_fwd_kernel[(n_tiles * NSPLIT, B * HKV)](
+        q, k, v, o, lse, block_idx, *_strides(q, k, v, o, block_idx),
+        Tq, Tk, HKV, S, scale * LOG2E,
+        QT=query_tile, BT=BT, NSPLIT=NSPLIT, G=G, GP=GP, C=block_size, D=D, SP=pow2(S),
+        DOT_PREC=_dot_precision(q), num_warps=cfg.tile_fwd_warps,
+        num_stages=cfg.tile_fwd_stages)
+    return o, lse
+
+
 def _delta(o, do, dlse):
     B, Tq, HQ, D = o.shape
     HP = pow2(HQ)
@@ -364,6 +591,7 @@ def _delta(o, do, dlse):
 
 
 def _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg: KernelConfig):
+    """Per-token selections."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
     G, GP, BT, union, bits, count = _token_tiles(q, k, block_idx, cfg.dq_rows)
@@ -377,26 +605,47 @@ def _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg: KernelC
     return dq
 
 
-def _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, deterministic,
-              cfg: KernelConfig):
+def _tile_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, query_tile,
+             cfg: KernelConfig):
+    """Tile selections."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
     G, GP = _groups(q, k)
+    BT, NSPLIT = _tile_part(query_tile, GP, cfg.tile_dq_rows, cfg.tile_min_rows, D)
+    dq = empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
+    n_tiles, S = block_idx.shape[1], block_idx.shape[3]
+    _tile_dq_kernel[(n_tiles * NSPLIT, B * HKV)](
+        q, k, v, do, lse, delta, dq, block_idx, *_strides(q, k, v, do, dq, block_idx),
+        Tq, Tk, HKV, S, scale * LOG2E, scale,
+        QT=query_tile, BT=BT, NSPLIT=NSPLIT, G=G, GP=GP, C=block_size, D=D, SP=pow2(S),
+        DOT_PREC=_dot_precision(q), num_warps=cfg.tile_dq_warps, num_stages=cfg.tile_dq_stages)
+    return dq
+
+
+def _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, deterministic,
+              query_tile, cfg: KernelConfig):
+    """Both selection kinds: ``block_idx`` rows are tokens (``query_tile = 1``) or tiles."""
+    B, Tq, HQ, D = q.shape
+    Tk, HKV = k.shape[1], k.shape[2]
+    G, GP = _groups(q, k)
+    BT, NT, chunk = _dkv_plan(query_tile, GP, cfg)
     n_blocks = cdiv(Tk, block_size)
-    tokens, items, n_parts = block_work_items(block_idx, n_blocks, cfg.dkv_chunk)
+    rows, items, n_parts = block_work_items(block_idx, n_blocks, chunk)
     # blocks nobody chose get no program: their gradient is the zero they start from
     dk = torch.zeros(B, Tk, HKV, D, dtype=torch.float32, device=k.device)
     dv = torch.zeros_like(dk)
     reduce = deterministic and n_parts > 0
     parts = [empty(n_parts, block_size, D, dtype=torch.float32, device=k.device)
              for _ in range(2)] if reduce else [dk, dv]  # unused unless reduce
+    tiled = query_tile > 1
     if items.shape[0]:
         _dkv_kernel[(items.shape[0],)](
-            q, k, v, do, lse, delta, dk, dv, *parts, tokens, items, *_strides(q, k, v, do),
+            q, k, v, do, lse, delta, dk, dv, *parts, rows, items, *_strides(q, k, v, do),
             Tq, Tk, HKV, n_blocks, scale * LOG2E, scale,
-            G=G, GP=GP, BQ=_tile_tokens(cfg.dkv_rows, GP), C=block_size, D=D,
+            G=G, GP=GP, QT=query_tile, BT=BT, NT=NT, C=block_size, D=D,
             ATOMIC=not deterministic, DOT_PREC=_dot_precision(q),
-            num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages)
+            num_warps=cfg.tile_dkv_warps if tiled else cfg.dkv_warps,
+            num_stages=cfg.tile_dkv_stages if tiled else cfg.dkv_stages)
     if reduce:
         _reduce_parts_kernel[(items.shape[0],)](dk, dv, *parts, items, Tk, HKV, n_blocks,
                                                 C=block_size, D=D, num_warps=8)
@@ -407,24 +656,34 @@ def _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, determinist
 # entry points (autograd: the ``pisa::sparse_attn`` custom op in ``__init__``)
 # ----------------------------------------------------------------------------------------------
 def _prepare(q: torch.Tensor, k: torch.Tensor, block_idx: torch.Tensor, block_size: int):
-    """Check kernel support and re-express the selection in kernel-sized blocks."""
+    """Check kernel support and re-express the selection in kernel-sized blocks (unit slot
+    stride: the tile kernels read a row's slots as one vector)."""
     _check_supported(q.shape[-1], q.shape[2] // k.shape[2])
-    return _split_blocks(block_idx, block_size)
+    block_idx, block_size = _split_blocks(block_idx, block_size)
+    return (block_idx if block_idx.stride(-1) == 1 else block_idx.contiguous()), block_size
 
 
-def attn_fwd_triton(q, k, v, block_idx, block_size, scale):
+def attn_fwd_triton(q, k, v, block_idx, block_size, scale, query_tile: int = 1):
     """Forward: ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32 (natural log, ``-inf``
-    and ``o = 0`` for a query with no key)."""
+    and ``o = 0`` for a query with no key). ``block_idx`` is per token (``query_tile = 1``,
+    ``[B, Tq, HKV, S]``) or per query tile (``[B, n_query_tiles(Tq, Tk, query_tile), HKV, S]``)."""
     block_idx, block_size = _prepare(q, k, block_idx, block_size)
-    return _attn_fwd(q, k, v, block_idx, block_size, scale, _CFG)
+    if query_tile == 1:
+        return _attn_fwd(q, k, v, block_idx, block_size, scale, _CFG)
+    return _tile_fwd(q, k, v, block_idx, block_size, scale, query_tile, _CFG)
 
 
-def attn_bwd_triton(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, deterministic):
+def attn_bwd_triton(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, deterministic,
+                    query_tile: int = 1):
     """Backward: ``dq, dk, dv``; ``deterministic=True`` sums split blocks in a fixed order."""
     block_idx, block_size = _prepare(q, k, block_idx, block_size)
     do = torch.zeros_like(o) if do is None else do
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = _delta(o, do, dlse)
-    dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, _CFG)
-    dk, dv = _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, deterministic, _CFG)
+    if query_tile == 1:
+        dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, _CFG)
+    else:
+        dq = _tile_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, query_tile, _CFG)
+    dk, dv = _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, deterministic,
+                       query_tile, _CFG)
     return dq, dk, dv

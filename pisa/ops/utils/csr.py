@@ -1,11 +1,14 @@
 """Selections transposed by block: entries grouped by the block they read (CSR over blocks).
 
-Whenever many queries each read a few blocks (the torch leaf stage and attention, the Triton
-"csc" leaf stage, the Triton dK/dV pass), grouping the (query, block) entries by block lets a
-group of queries share one read of the block. One primitive, ``sort_by_key``, does the grouping
-for all of them: a stable sort (queries stay ascending inside a block's list) and the start of
-each block's run, found by ``searchsorted`` (no host sync). O(entries) memory: never a dense
-token x block mask.
+Whenever many queries (or query tiles) each read a few blocks (the torch leaf stage and attention,
+the Triton "csc" leaf stage, the Triton dK/dV pass), grouping the (query, block) entries by block
+lets a group of queries share one read of the block. One primitive, ``sort_by_key``, does the
+grouping for all of them: a stable sort (queries stay ascending inside a block's list) and the
+start of each block's run, found by ``searchsorted`` (no host sync). O(entries) memory: never a
+dense token x block mask.
+
+Selections by query tiles (a row per aligned tile of ``query_tile`` absolute positions) read as
+per-token selections through ``token_tile_rows`` (the one home of that mapping).
 """
 from __future__ import annotations
 
@@ -21,6 +24,16 @@ def sort_by_key(key: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Ten
     sorted_key, order = torch.sort(key, stable=True)
     bounds = torch.arange(n_keys + 1, dtype=key.dtype, device=key.device)
     return order, torch.searchsorted(sorted_key, bounds)
+
+
+def token_tile_rows(n_queries: int, n_keys: int, query_tile: int,
+                    device=None) -> torch.Tensor:
+    """For each of the last ``n_queries`` of ``n_keys`` positions, the row of a selection by query
+    tiles that holds it ``[n_queries]`` int64: query ``t`` at absolute position
+    ``p = n_keys - n_queries + t`` is in tile ``p // query_tile``, row
+    ``p // query_tile - (n_keys - n_queries) // query_tile`` (``n_query_tiles`` rows in all)."""
+    t0 = n_keys - n_queries
+    return torch.arange(t0, n_keys, device=device) // query_tile - t0 // query_tile
 
 
 @dataclass(frozen=True)
@@ -86,25 +99,27 @@ def _sort_by_key_pieces(key: torch.Tensor, n_keys: int,
 
 
 def block_work_items(block_idx: torch.Tensor, n_blocks: int, chunk: int):
-    """The transpose of a selection ``block_idx [B, Tq, HKV, S]`` cut into work items of at most
-    ``chunk`` queries (the Triton dK/dV pass: the sink block, which every query chooses, must not
-    make one program straggle).
+    """The transpose of a selection ``block_idx [B, R, HKV, S]`` cut into work items of at most
+    ``chunk`` selection rows (the Triton dK/dV pass: the sink block, which every row chooses, must
+    not make one program straggle). A row is a query token (per-token selections, ``R = Tq``) or a
+    query tile (tile selections, ``R = n_query_tiles(Tq, Tk, Qt)``): the transpose is the same.
 
-    Returns ``tokens`` int32 (for every (batch, KV head, block) in turn, the ascending query tokens
-    that chose it), ``items [n_items, 5]`` int64 rows ``(key, start, end, slot, n_parts)`` with
-    ``key = (b * HKV + h) * n_blocks + block`` and ``tokens[start:end]`` its chunk (64-bit: the
-    ``B * HKV * Tq * S`` entries pass 2**31 at 1M tokens with 64 KV heads), ``slot`` the chunk's
+    Returns ``rows`` int32 (for every (batch, KV head, block) in turn, the ascending rows that
+    chose it), ``items [n_items, 5]`` int64 rows ``(key, start, end, slot, n_parts)`` with
+    ``key = (b * HKV + h) * n_blocks + block`` and ``rows[start:end]`` its chunk (64-bit: the
+    ``B * HKV * R * S`` entries pass 2**31 at 1M tokens with 64 KV heads), ``slot`` the chunk's
     scratch row when the block is split (else -1) and ``n_parts`` the block's chunk count on its
-    first chunk (else 0), and the number of scratch rows (a host int: one sync).
+    first chunk (else 0), and the number of scratch rows (a host int: one sync). O(entries)
+    memory: never a dense row x block mask.
     """
-    B, Tq, H, S = block_idx.shape
+    B, R, H, S = block_idx.shape
     n_keys = B * H * n_blocks
-    idx = block_idx.permute(0, 2, 1, 3).long()  # [B, H, Tq, S]: entries in token order
+    idx = block_idx.permute(0, 2, 1, 3).long()  # [B, H, R, S]: entries in row order
     base = torch.arange(B * H, device=idx.device).view(B, H, 1, 1) * n_blocks
     key = torch.where((idx >= 0) & (idx < n_blocks), base + idx, n_keys).flatten()
     perm, start = _sort_by_key_pieces(key, n_keys, B * H)
     del key
-    tokens = ((perm // S) % Tq).to(torch.int32)
+    rows = ((perm // S) % R).to(torch.int32)
     del perm
     counts, ends = start.diff(), start[1:]
     n_chunks = (counts + chunk - 1) // chunk
@@ -119,4 +134,4 @@ def block_work_items(block_idx: torch.Tensor, n_blocks: int, chunk: int):
     slot = torch.where(item_split, item_split.cumsum(0) - 1, -1)
     n_parts_first = torch.where(item_split & (j == 0), n_chunks[item_key], 0)
     items = torch.stack([item_key, start_i, end_i, slot, n_parts_first], 1)
-    return tokens, items.contiguous(), n_parts
+    return rows, items.contiguous(), n_parts

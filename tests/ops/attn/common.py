@@ -3,6 +3,7 @@ import math
 
 import torch
 
+from pisa.ops.utils.config import n_query_tiles
 from pisa.ops.utils.geometry import cdiv
 
 
@@ -10,30 +11,41 @@ def default_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def random_selection(B, Tq, Tk, H, C, S, *, min_blocks=3, causal=True, seed=0, device=None):
+def row_blocks(Tq, Tk, C, query_tile=1):
+    """The block holding each selection row's first query position ``[rows]``: a row per token
+    (``query_tile=1``) or per query tile (a tile lies inside one block)."""
+    rows = n_query_tiles(Tq, Tk, query_tile)
+    first = (torch.arange(rows) + (Tk - Tq) // query_tile) * query_tile
+    return torch.maximum(first, torch.tensor(Tk - Tq)) // C
+
+
+def random_selection(B, Tq, Tk, H, C, S, *, min_blocks=3, causal=True, seed=0, device=None,
+                     query_tile=1):
     """Ascending, -1 padded, unique block lists: forced sink / previous / current blocks first, then
-    random past blocks; each row keeps a random count in [min_blocks, S]."""
+    random past blocks; each row keeps a random count in [min_blocks, S]. A row per query token,
+    or per query tile with ``query_tile > 1``."""
     g = torch.Generator().manual_seed(seed)
     nb = cdiv(Tk, C)
-    cur = ((Tk - Tq + torch.arange(Tq)) // C)[None, :, None, None]
+    cur = row_blocks(Tq, Tk, C, query_tile)[None, :, None, None]
+    R = cur.shape[1]
     blocks = torch.arange(nb)
-    score = torch.rand(B, Tq, H, nb, generator=g)
+    score = torch.rand(B, R, H, nb, generator=g)
     if causal:
         forced = (blocks == 0) | (blocks == cur - 1) | (blocks == cur)
         score = torch.where(forced, 2.0, score).masked_fill(blocks > cur, -math.inf)
     top_s, top_i = score.topk(min(S, nb), dim=-1)
-    n = torch.randint(min_blocks, S + 1, (B, Tq, H, 1), generator=g)
+    n = torch.randint(min_blocks, S + 1, (B, R, H, 1), generator=g)
     keep = (top_s > -math.inf) & (torch.arange(top_i.shape[-1]) < n)
     idx = torch.where(keep, top_i, nb).sort(-1).values
     idx = torch.nn.functional.pad(idx, (0, S - idx.shape[-1]), value=nb)
     return torch.where(idx == nb, -1, idx).to(torch.int32).to(device or default_device())
 
 
-def all_blocks(B, Tq, Tk, H, C, device=None):
+def all_blocks(B, Tq, Tk, H, C, device=None, query_tile=1):
     nb = cdiv(Tk, C)
-    cur = ((Tk - Tq + torch.arange(Tq)) // C)[:, None]
+    cur = row_blocks(Tq, Tk, C, query_tile)[:, None]
     idx = torch.where(torch.arange(nb) <= cur, torch.arange(nb), -1)
-    return idx[None, :, None, :].expand(B, Tq, H, nb).to(torch.int32).contiguous().to(
+    return idx[None, :, None, :].expand(B, cur.shape[0], H, nb).to(torch.int32).contiguous().to(
         device or default_device())
 
 

@@ -1,7 +1,8 @@
 """``pisa.ops.utils.csr``: selections transposed by block (one implementation for every op)."""
 import torch
 
-from pisa.ops.utils.csr import block_work_items, group_pairs, sort_by_key
+from pisa.ops.utils.config import n_query_tiles
+from pisa.ops.utils.csr import block_work_items, group_pairs, sort_by_key, token_tile_rows
 from pisa.ops.utils.geometry import cdiv
 from tests.ops.attn.common import random_selection
 
@@ -67,3 +68,15 @@ def test_block_work_items_sorted_in_pieces(rng, monkeypatch):
     assert pieces[1].dtype == torch.int64
     assert torch.equal(whole[0], pieces[0]) and torch.equal(whole[1], pieces[1])
     assert whole[2] == pieces[2]
+
+
+def test_token_tile_rows_maps_each_query_to_its_aligned_tile():
+    """Query t (absolute position Tk - Tq + t) reads row p // Qt - (Tk - Tq) // Qt; the rows run
+    over all n_query_tiles and ascend; Qt = 1 is the identity."""
+    for Tq, Tk, Qt in [(1, 1, 1), (7, 7, 1), (37, 100, 16), (50, 50, 4), (5, 64, 64), (33, 90, 8)]:
+        rows = token_tile_rows(Tq, Tk, Qt)
+        pos = torch.arange(Tk - Tq, Tk)
+        assert torch.equal(rows, pos // Qt - (Tk - Tq) // Qt)
+        assert int(rows[0]) == 0 and int(rows[-1]) == n_query_tiles(Tq, Tk, Qt) - 1
+        assert bool((rows.diff() >= 0).all())
+    assert torch.equal(token_tile_rows(9, 20, 1), torch.arange(9))
