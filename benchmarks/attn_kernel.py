@@ -9,7 +9,8 @@ query, bf16. Selections are random but valid: forced blocks 0, cur-1, cur plus r
 ascending, -1 padded. ``--share 1`` draws the random blocks per token (no overlap between
 neighbours beyond the forced blocks: the worst case for the kernels' token tiles); ``--share 64``
 gives every aligned group of 64 tokens the same random blocks (neighbours overlap, as in real
-models' selections).
+models' selections). ``--query-tiles 16`` also times, for each share that is one of them, the tile
+kernels (``query_tile``) on that selection's one row per tile (``impl`` ``pisa_tile_kernel``).
 
 Effective TFLOP/s (``common.attn_tflops``): the forward counts 4 * HQ * D * (keys attended) per
 token, forward + backward 3.5x that; the dense causal baseline is counted the same way (keys
@@ -97,6 +98,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqlens", default="16384,65536,131072")
     ap.add_argument("--share", default="1,64", help="tokens sharing random picks (see docstring)")
+    ap.add_argument("--query-tiles", default="", help="shares also timed as query tiles")
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4)
     ap.add_argument("--d", type=int, default=128)
@@ -134,30 +136,37 @@ def main():
                                    keys_per_token=keys,
                                    tflops=attn_tflops(ms, T, keys, HQ, D, passes)))
             del dq, dk, dv
+        tiles = {int(x) for x in args.query_tiles.split(",") if x}
         for share in (int(x) for x in args.share.split(",")):
             idx = random_selection(1, T, HKV, C, K, share, seed=T + share, device=dev)
             keys = keys_attended(idx, T, C)
-            fwd, fb = time_pair(
-                lambda: pisa_attn(q, k, v, block_size=C, block_idx=idx,
-                                  deterministic=args.deterministic, backend=backend),
-                (q, k, v), do)
-            for op, ms, passes in (("attn_fwd", fwd, 1.0), ("attn_fwdbwd", fb, 3.5)):
-                out.add(result_row(op, "pisa_kernel", backend, T=T, ms=ms, **cols, share=share,
-                                   deterministic=args.deterministic, keys_per_token=keys,
-                                   tflops=attn_tflops(ms, T, keys, HQ, D, passes)))
+            # a tile's tokens lie in one block, so their rows are equal: the tile row is its first
+            runs = [("pisa_kernel", 1, idx)]
+            if share in tiles:
+                runs.append(("pisa_tile_kernel", share, idx[:, ::share]))
+            for impl, qt, sel in runs:
+                fwd, fb = time_pair(
+                    lambda: pisa_attn(q, k, v, block_size=C, block_idx=sel, query_tile=qt,
+                                      deterministic=args.deterministic, backend=backend),
+                    (q, k, v), do)
+                for op, ms, passes in (("attn_fwd", fwd, 1.0), ("attn_fwdbwd", fb, 3.5)):
+                    out.add(result_row(op, impl, backend, T=T, ms=ms, **cols, share=share,
+                                       query_tile=qt, deterministic=args.deterministic,
+                                       keys_per_token=keys,
+                                       tflops=attn_tflops(ms, T, keys, HQ, D, passes)))
         q = k = v = idx = None  # free this length's tensors
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
         out.save(accuracy=acc)
 
-    print("\n|      T | impl        | share | fwd ms | TF/s | f+b ms | TF/s |\n"
+    print("\n|      T | impl             | share | fwd ms | TF/s | f+b ms | TF/s |\n"
           "|---|---|---|---|---|---|---|", file=sys.stderr)
     by = {}
     for r in out.rows:
         by.setdefault((r["T"], r["impl"], r.get("share")), {})[r["op"]] = r
     for (T, impl, share), d in by.items():
         f, fb = d["attn_fwd"], d["attn_fwdbwd"]
-        print(f"| {T:>6} | {impl:<11} | {share or '-':>5} | {f['ms']:6.2f} | {f['tflops']:4.0f} | "
+        print(f"| {T:>6} | {impl:<16} | {share or '-':>5} | {f['ms']:6.2f} | {f['tflops']:4.0f} | "
               f"{fb['ms']:6.1f} | {fb['tflops']:4.0f} |", file=sys.stderr)
     print(f"accuracy ok: {acc['ok']}", file=sys.stderr)
 
