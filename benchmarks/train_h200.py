@@ -1,18 +1,29 @@
 """Training-path benchmark on one GPU: selection, forward, backward, forward+backward.
 
-Times, in one run and on the same random bf16 inputs per length, ``pisa_attn`` with the pyramid,
-``flat_mean`` and ``flat_lse`` selectors (Triton backend) against dense SDPA forced to cuDNN, plus
-the sparse attention kernel alone (``pisa_attn(block_idx=...)`` on the pyramid's selection) with
-its effective TFLOP/s, counting ``4 * HQ * D * keys attended`` per token. Peak memory per row.
+Times, in one run and on the same random bf16 inputs per length, a set of *arms* against dense
+SDPA forced to cuDNN and fla's ``parallel_nsa`` (NSA: compressed attention, its flat top-k
+selection and the selected attention, ``window_size=0``; needs the ``fla-core`` wheel and a GQA
+group of at least 16 heads):
+
+- ``pisa``: ``pisa_attn`` at the library defaults, or at the knobs given (``--query-tile``,
+  ``--beam-leaf``, ``--scorer``, ``--tile-reduce``, ``--beam``);
+- ``pisa_qt1``: per-token PISA at today's knobs (``query_tile=1``, ``beam_leaf = beam = K``);
+- ``flat_mean`` / ``flat_lse``: the flat selectors on the same attention (per token).
+
+Per arm: ``select``, ``fwd``, ``bwd`` (the backward alone, graph kept), ``fwdbwd``, and the sparse
+attention kernels alone on the arm's selection (``attn_fwd``, ``attn_bwd``) with their effective
+TFLOP/s, counting ``4 * HQ * D * keys attended`` per token (x2.5 for the backward). Peak memory per
+row; ``query_tile`` and ``beam_leaf`` columns.
 
     python benchmarks/train_h200.py --config A --json benchmarks/results/train_h200.json
 
-Rows use the project's schema (``pisa.results``); ``tflops`` and ``keys_per_token`` are extra.
-``--device cpu`` runs the same rows through the torch backend (a smoke test at small lengths).
+``--device cpu`` runs the PISA and flat rows through the torch backend (a smoke test at small
+lengths).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -23,6 +34,30 @@ from common import (CONFIGS, DTYPE, G_BR, Results, attn_tflops, dense_attention,
                     fwd_bwd, keys_attended, peak_gb, pisa_backend, randn_qkv, reset_peak,
                     result_row, shape, time_ms)
 from pisa import pisa_attn, pisa_select
+from pisa.ops.select import tiles_to_tokens
+from pisa.ops.utils.config import SelectConfig
+
+ARMS = ("pisa", "pisa_qt1", "flat_mean", "flat_lse", "dense", "nsa")
+
+
+def _arm_knobs(args, backend: str) -> dict:
+    """``pisa_attn`` keywords of each selection arm."""
+    base = dict(block_size=args.block_size, topk=args.topk, branching=G_BR, backend=backend)
+    given = ("beam", "beam_leaf", "scorer", "query_tile", "tile_reduce")
+    new = {name: getattr(args, name) for name in given if getattr(args, name) is not None}
+    return {"pisa": {**base, **new}, "pisa_qt1": {**base, "beam": args.topk},
+            "flat_mean": {**base, "selector": "flat_mean"},
+            "flat_lse": {**base, "selector": "flat_lse"}}
+
+
+def _nsa(q, k, v, block_size: int, topk: int):
+    """fla's NSA forward (compression, flat top-k, selected attention; no sliding window)."""
+    from fla.ops.nsa import parallel_nsa
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    g_cmp, g_slc = (torch.rand(q.shape[:3], generator=gen, device=q.device, dtype=q.dtype)
+                    for _ in range(2))
+    return lambda: parallel_nsa(q, k, v, g_cmp=g_cmp, g_slc=g_slc, block_counts=topk,
+                                block_size=block_size, window_size=0)
 
 
 def main() -> None:
@@ -30,59 +65,94 @@ def main() -> None:
     ap.add_argument("--config", default="A", choices=sorted(CONFIGS))
     ap.add_argument("--lengths", type=int, nargs="+",
                     default=[8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576])
-    ap.add_argument("--selectors", nargs="+", default=["pyramid", "flat_mean", "flat_lse"])
-    ap.add_argument("--flat-max", type=int, default=1 << 20, help="longest T for flat_mean")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--flat-mean-max", type=int, default=1 << 20, help="longest T for flat_mean")
     ap.add_argument("--flat-lse-max", type=int, default=131072, help="longest T for flat_lse")
     ap.add_argument("--dense-max", type=int, default=262144, help="longest T for dense fwd+bwd")
     ap.add_argument("--dense-fwd-max", type=int, default=524288)
-    ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--beam", type=int, default=16)
+    ap.add_argument("--nsa-max", type=int, default=524288, help="longest T for NSA")
+    ap.add_argument("--topk", type=int, default=SelectConfig.topk)
+    ap.add_argument("--block-size", type=int, default=SelectConfig.block_size)
+    ap.add_argument("--beam", type=int, default=None)
+    ap.add_argument("--beam-leaf", type=int, default=None)
+    ap.add_argument("--scorer", default=None)
+    ap.add_argument("--query-tile", type=int, default=None)
+    ap.add_argument("--tile-reduce", default=None)
     ap.add_argument("--device", default="cuda", help="cuda (Triton backend) or cpu (torch)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     HQ, HKV, D = CONFIGS[args.config]
-    C, K, W, dev = args.block_size, args.topk, args.beam, args.device
+    dev = args.device
     backend = pisa_backend(dev)
-    knobs = dict(block_size=C, topk=K, beam=W, branching=G_BR, backend=backend)
-    cols = shape(HQ, HKV, D, K=K, C=C, W=W)
-    out = Results(args.json, dev)
+    arms = _arm_knobs(args, backend)
+    nsa_ok = "nsa" in args.arms and dev.startswith("cuda") and HQ // HKV >= 16 \
+        and importlib.util.find_spec("fla") is not None
+    out = Results(args.json, dev, arms={a: {k: v for k, v in kw.items() if k != "backend"}
+                                        for a, kw in arms.items() if a in args.arms})
+    longest = {"flat_mean": args.flat_mean_max, "flat_lse": args.flat_lse_max}
 
-    def row(op, impl, T, ms, peak, **extra):
-        out.add(result_row(op, impl, dense_backend(dev) if impl == "dense" else backend, T=T,
-                           ms=ms, peak_gb=peak, **cols, **extra))
+    def row(op, impl, T, ms, peak, knobs=None, **extra):
+        """A result row; ``knobs`` (a selection arm's) fill the beam and tile columns."""
+        be = dense_backend(dev) if impl == "dense" else "fla" if impl == "nsa" else backend
+        beam = (knobs or {}).get("beam") or args.topk
+        tiles = dict(query_tile=None, beam_leaf=None) if knobs is None else dict(
+            query_tile=knobs.get("query_tile", 1), beam_leaf=knobs.get("beam_leaf") or beam)
+        out.add(result_row(op, impl, be, T=T, ms=ms, peak_gb=peak,
+                           **shape(HQ, HKV, D, K=args.topk, C=args.block_size,
+                                   W=None if knobs is None else beam), **tiles, **extra))
 
     def timed(fn):
         reset_peak(dev)
         ms = time_ms(fn, dev)
         return ms, peak_gb(dev)
 
+    def phases(T, impl, fwd, q, k, v, do, knobs=None):
+        """select (when ``knobs``), fwd, bwd, fwdbwd of one arm."""
+        if knobs is not None:
+            with torch.no_grad():
+                row("select", impl, T, *timed(lambda: pisa_select(
+                    q, k, **{n: x for n, x in knobs.items() if n != "deterministic"})), knobs)
+        with torch.no_grad():
+            row("fwd", impl, T, *timed(fwd), knobs)
+        o = fwd()
+        row("bwd", impl, T, *timed(lambda: torch.autograd.backward(o, do, retain_graph=True)),
+            knobs)
+        del o
+        q.grad = k.grad = v.grad = None
+        row("fwdbwd", impl, T, *timed(fwd_bwd(fwd, do, (q, k, v))), knobs)
+
+    def kernels(T, impl, q, k, v, do, knobs):
+        """The sparse attention kernels alone on the arm's selection."""
+        idx, cnt = pisa_select(q, k, **knobs)
+        if knobs.get("query_tile", 1) > 1:
+            idx, _ = tiles_to_tokens(idx, cnt, T, T, knobs["query_tile"])
+        keys = keys_attended(idx, T, args.block_size)
+        attn = {n: x for n, x in knobs.items() if n in ("block_size", "backend")}
+        with torch.no_grad():
+            ms, pk = timed(lambda: pisa_attn(q, k, v, block_idx=idx, **attn))
+        row("attn_fwd", impl + "_kernel", T, ms, pk, knobs, keys_per_token=keys,
+            tflops=attn_tflops(ms, T, keys, HQ, D))
+        o = pisa_attn(q, k, v, block_idx=idx, **attn)
+        ms, pk = timed(lambda: torch.autograd.backward(o, do, retain_graph=True))
+        row("attn_bwd", impl + "_kernel", T, ms, pk, knobs, keys_per_token=keys,
+            tflops=attn_tflops(ms, T, keys, HQ, D, passes=2.5))
+        del o, idx
+        q.grad = k.grad = v.grad = None
+
     for T in args.lengths:
         t0 = time.time()
         q, k, v = randn_qkv(T, HQ, HKV, D, seed=T, device=dev, dtype=DTYPE, requires_grad=True)
         do = torch.randn_like(q)
-        for sel in args.selectors:
-            if T > {"pyramid": T, "flat_mean": args.flat_max, "flat_lse": args.flat_lse_max}[sel]:
+        for arm in args.arms:
+            if arm not in arms or T > longest.get(arm, T):
                 continue
-            impl = "pisa" if sel == "pyramid" else sel
-            with torch.no_grad():
-                row("select", impl, T, *timed(lambda: pisa_select(q, k, selector=sel, **knobs)))
-                row("fwd", impl, T, *timed(lambda: pisa_attn(q, k, v, selector=sel, **knobs)))
-            o = pisa_attn(q, k, v, selector=sel, **knobs)
-            row("bwd", impl, T, *timed(lambda: torch.autograd.backward(o, do, retain_graph=True)))
-            del o
-            q.grad = k.grad = v.grad = None
-            row("fwdbwd", impl, T, *timed(fwd_bwd(
-                lambda: pisa_attn(q, k, v, selector=sel, **knobs), do, (q, k, v))))
-            if sel == "pyramid":  # the attention kernel alone, on the pyramid's selection
-                idx, _ = pisa_select(q, k, **knobs)
-                keys = keys_attended(idx, T, C)
-                with torch.no_grad():
-                    ms, pk = timed(lambda: pisa_attn(q, k, v, block_idx=idx, **knobs))
-                row("attn_fwd", "pisa_kernel", T, ms, pk, keys_per_token=keys,
-                    tflops=attn_tflops(ms, T, keys, HQ, D))
-                del idx
-        if T <= args.dense_fwd_max:
+            knobs = arms[arm]
+            phases(T, arm, lambda: pisa_attn(q, k, v, **knobs), q, k, v, do, knobs)
+            if arm in ("pisa", "pisa_qt1"):
+                kernels(T, arm, q, k, v, do, knobs)
+        if nsa_ok and T <= args.nsa_max:
+            phases(T, "nsa", _nsa(q, k, v, args.block_size, args.topk), q, k, v, do)
+        if "dense" in args.arms and T <= args.dense_fwd_max:
             dense = dense_attention(q.detach(), k.detach(), v.detach(), dev)
             with torch.no_grad():
                 row("fwd", "dense", T, *timed(dense))

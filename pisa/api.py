@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from .cache import PisaCache
-from .ops.attn import sparse_attn
-from .ops.decode import decode_step, prefill_with_cache
+from .ops.attn import check_tile_block_idx, sparse_attn
+from .ops.decode import decode_step, prefill_with_cache, uses_bounds
 from .ops.decode.kvcache import check_cache, check_new_kv, check_seqlens, write_kv
 from .ops.select import select
-from .ops.utils.config import (SelectConfig, check_block_idx, check_qk, resolve_backend,
+from .ops.utils.config import (SelectConfig, check_qk, n_query_tiles, resolve_backend,
                                resolve_config)
 
 _C, _K, _G = SelectConfig.block_size, SelectConfig.topk, SelectConfig.branching
@@ -24,9 +24,20 @@ _SELECT_DOC = """
     branching: int. Pyramid branching factor ``g``. Default 2 (4 is cheaper and coarser).
     beam: int or None. Beam width ``W`` kept at internal levels. Default ``topk``. Wider beams
         cost time and raise recall against the exact flat scan.
-    scorer: "lse" (default) | "mean" | "meanvar". How an internal node is scored from its
-        children (and a leaf from its keys): count-weighted LogSumExp, mean logit (first order,
-        equals flat mean-pooled scoring) or mean + variance/2 (second order). Pyramid only.
+    beam_leaf: int or None. Beam kept at the lowest internal level (whose children are the
+        leaves), where a wider beam recovers most of the pyramid's misses (``PISA_SPEC.md`` §11).
+        Default None: ``beam``.
+    scorer: "lse" (default) | "mean" | "meanvar" | "bound". How an internal node is scored from
+        its children (and a leaf from its keys): count-weighted LogSumExp, mean logit (first
+        order, equals flat mean-pooled scoring), mean + variance/2 (second order), or the
+        LogSumExp of each child's upper bound ``sum_d max(q_d min_d, q_d max_d)`` over per-channel
+        key minima and maxima (a sharp key is not averaged away; leaves by their exact LSE).
+        Pyramid only.
+    query_tile: int. Tokens per query tile ``Qt``, a power of two in ``[1, block_size]``: the
+        tokens at absolute positions ``[i * Qt, (i + 1) * Qt)`` share one selection per KV head,
+        scored with all their query rows. Default 1 (per-token selection).
+    tile_reduce: "sum" (default) | "lse" | "qmean". How a tile's tokens score a candidate
+        together: the sum or the log-sum-exp of their scores, or the score of their mean query.
     selector: "pyramid" (default) | "flat_lse" | "flat_mean" | "auto". ``flat_lse`` scores every
         causal block by its exact LSE (the mass-optimal oracle, O(N^2)); ``flat_mean`` by the
         logit of its mean key (BSA/MoBA style); ``auto`` takes ``flat_lse`` below
@@ -57,10 +68,12 @@ def _empty_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk: int = _K,
-                branching: int = _G, beam: int | None = None, scorer: str = "lse",
-                selector: str = "pyramid", forced_in_budget: bool = True,
-                scale: float | None = None, backend: str = "auto"):
-    """Select, per query token and KV head, the key blocks it attends (no gradient).
+                branching: int = _G, beam: int | None = None, beam_leaf: int | None = None,
+                scorer: str = "lse", selector: str = "pyramid", forced_in_budget: bool = True,
+                scale: float | None = None, query_tile: int = 1, tile_reduce: str = "sum",
+                backend: str = "auto"):
+    """Select, per query tile (a token by default) and KV head, the key blocks it attends (no
+    gradient).
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32 (fp64 for the torch/naive backends).
@@ -70,26 +83,33 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
             is a ``ValueError``.
     """ + _SELECT_DOC + """
     Returns:
-        block_idx: (batch, seqlen_q, nheads_k, slots) int32, ascending, -1 padded; ``slots`` is
-            ``topk`` (or ``topk + 3`` when ``forced_in_budget=False``).
-        counts: (batch, seqlen_q, nheads_k) int32, the number of valid entries per row.
+        block_idx: (batch, n_tiles, nheads_k, slots) int32, ascending, -1 padded; ``slots`` is
+            ``topk`` (or ``topk + 3`` when ``forced_in_budget=False``). A row per query tile:
+            ``n_tiles = pisa.ops.utils.config.n_query_tiles(seqlen_q, seqlen_k, query_tile)``,
+            ``seqlen_q`` with ``query_tile=1``; row ``j`` holds the tile of absolute positions
+            ``[(seqlen_k - seqlen_q) // query_tile + j) * query_tile, ... + query_tile)``.
+            ``pisa.ops.select.tiles_to_tokens`` expands it to one row per token.
+        counts: (batch, n_tiles, nheads_k) int32, the number of valid entries per row.
     """
     check_qk(q, k)
     backend = resolve_backend(backend, q)
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
-                         beam=beam, scorer=scorer, selector=selector,
-                         forced_in_budget=forced_in_budget, scale=scale)
+                         beam=beam, beam_leaf=beam_leaf, scorer=scorer, selector=selector,
+                         forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
+                         tile_reduce=tile_reduce)
     if _empty_batch(q):
-        B, Tq, HKV = q.shape[0], q.shape[1], k.shape[2]
-        return (q.new_full((B, Tq, HKV, cfg.slots), -1, dtype=torch.int32),
-                q.new_zeros((B, Tq, HKV), dtype=torch.int32))
+        B, HKV = q.shape[0], k.shape[2]
+        rows = n_query_tiles(q.shape[1], k.shape[1], cfg.query_tile)
+        return (q.new_full((B, rows, HKV, cfg.slots), -1, dtype=torch.int32),
+                q.new_zeros((B, rows, HKV), dtype=torch.int32))
     return select(q, k, cfg, backend)
 
 
 def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = _C,
-              topk: int = _K, branching: int = _G, beam: int | None = None, scorer: str = "lse",
-              selector: str = "pyramid", forced_in_budget: bool = True,
-              scale: float | None = None, return_lse: bool = False,
+              topk: int = _K, branching: int = _G, beam: int | None = None,
+              beam_leaf: int | None = None, scorer: str = "lse", selector: str = "pyramid",
+              forced_in_budget: bool = True, scale: float | None = None, query_tile: int = 1,
+              tile_reduce: str = "sum", return_lse: bool = False,
               block_idx: torch.Tensor | None = None, deterministic: bool = False,
               backend: str = "auto"):
     """PISA attention: pyramid block selection, then exact causal attention over those blocks.
@@ -103,9 +123,10 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     return_lse: bool. Also return the softmax log-normaliser, to merge with other partial
         attention results. Default False.
     block_idx: optional (batch, seqlen_q, nheads_k, S) int32 precomputed selection (ascending,
-        -1 padded); skips the selection step. Its values are checked (ids in range, strictly
-        ascending, causal, -1 only at the end; ``ValueError`` naming the first bad row): one
-        reduction over it and one host sync per call.
+        -1 padded) per token, or, with ``query_tile > 1``, (batch, n_tiles, nheads_k, S) per
+        query tile (``pisa_select``'s layout); skips the selection step. Its values are checked
+        (ids in range, strictly ascending, causal, -1 only at the end; ``ValueError`` naming the
+        first bad row): one reduction over it and one host sync per call.
     deterministic: bool. Make the backward bitwise reproducible (the Triton dK/dV pass then
         sums a block's split query chunks in a fixed order instead of with atomics; slightly
         slower). The torch backend always is. Default False.
@@ -118,31 +139,33 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     check_qk(q, k, v)
     backend = resolve_backend(backend, q)
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
-                         beam=beam, scorer=scorer, selector=selector,
-                         forced_in_budget=forced_in_budget, scale=scale)
+                         beam=beam, beam_leaf=beam_leaf, scorer=scorer, selector=selector,
+                         forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
+                         tile_reduce=tile_reduce)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if block_idx is not None:
-        check_block_idx(block_idx, q, k, cfg.block_size)
+        check_tile_block_idx(block_idx, q, k, cfg.block_size, cfg.query_tile)
     if _empty_batch(q):
         o, lse = _empty_attn(q, k, v)
     else:
         if block_idx is None:
             block_idx, _ = select(q.detach(), k.detach(), cfg, backend)
         o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend,
-                             deterministic)
+                             deterministic, cfg.query_tile)
     return (o, lse) if return_lse else o
 
 
 def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tensor | None = None,
                            v_new: torch.Tensor | None = None, *,
                            cache_seqlens: torch.Tensor | int | None = None, topk: int = _K,
-                           beam: int | None = None, scorer: str = "lse",
-                           selector: str = "pyramid", forced_in_budget: bool = True,
-                           scale: float | None = None, return_lse: bool = False,
-                           backend: str = "auto"):
+                           beam: int | None = None, beam_leaf: int | None = None,
+                           scorer: str = "lse", selector: str = "pyramid",
+                           forced_in_budget: bool = True, scale: float | None = None,
+                           query_tile: int = 1, tile_reduce: str = "sum",
+                           return_lse: bool = False, backend: str = "auto"):
     """PISA attention of new queries against a ``PisaCache`` (decode and chunked prefill), modeled
     on ``flash_attn_with_kvcache``: appends ``k_new, v_new`` (keys and pyramid), then attends.
 
@@ -168,8 +191,13 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
             chunked prefill) raises ``ValueError``; a CUDA tensor in a decode step is not read on
             the host (no sync, CUDA-graph capture still works): a length outside
             ``[0, max_seqlen]`` gives NaN rows.
-        topk, beam, scorer, selector, forced_in_budget, scale: as in ``pisa_attn``;
-            ``selector="auto"`` chooses by the cache's ``max_seqlen``.
+        topk, beam, beam_leaf, scorer, selector, forced_in_budget, scale, query_tile,
+            tile_reduce: as in ``pisa_attn``; ``selector="auto"`` chooses by the cache's
+            ``max_seqlen``. A decode step is always per token (``query_tile`` applies to chunked
+            prefill only). ``scorer="bound"`` reads the cache's per-node key bounds, built on
+            first use (one O(max_seqlen) pass and an allocation: not inside a CUDA-graph capture)
+            unless the cache was made with ``bounds=True``; a cache with bounds keeps them
+            current at every append.
         return_lse: bool. Also return the log-normaliser. Default False.
         backend: "auto" (default: Triton on CUDA when installed, else torch) | "torch" | "triton"
             | "naive" (the fp64 oracle, one sequence at a time; tiny inputs only).
@@ -193,8 +221,9 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
         raise ValueError("k_new and v_new must be given together")
     backend = resolve_backend(backend, q)
     cfg = resolve_config(q, cache.k_cache, backend, block_size=cache.block_size, topk=topk,
-                         branching=cache.branching, beam=beam, scorer=scorer, selector=selector,
-                         forced_in_budget=forced_in_budget, scale=scale)
+                         branching=cache.branching, beam=beam, beam_leaf=beam_leaf,
+                         scorer=scorer, selector=selector, forced_in_budget=forced_in_budget,
+                         scale=scale, query_tile=query_tile, tile_reduce=tile_reduce)
     own = cache_seqlens is None
     if own:
         lens = cache.cache_seqlens
@@ -202,8 +231,11 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
         lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
         lens = cache_seqlens
+    if uses_bounds(cfg) and cache.mins is None:
+        cache.enable_bounds(lens)
     # the one validation of the step: the ops below take the checked tensors as they are
-    check_cache(cache.k_cache, cache.v_cache, cache.sums, lens, cache.block_size, cache.branching)
+    check_cache(cache.k_cache, cache.v_cache, cache.sums, lens, cache.block_size, cache.branching,
+                cache.mins, cache.maxs)
     if k_new is not None:
         check_new_kv(cache.k_cache, k_new, v_new)
     if not own:  # the cache keeps its own lengths in range; a caller's are checked here
@@ -211,14 +243,15 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
                       sync=q.shape[1] > 1)
     if k_new is not None:
         write_kv(cache.k_cache, cache.v_cache, cache.sums, k_new, v_new, lens, cache.block_size,
-                 cache.branching)
+                 cache.branching, cache.mins, cache.maxs)
         if own:
             lens.add_(k_new.shape[1])
         else:
             lens = lens + k_new.shape[1]
     if q.shape[1] == 1 and backend in ("torch", "triton"):
-        o, lse = decode_step(q, cache.k_cache, cache.v_cache, cache.sums, lens, cfg, backend)
+        o, lse = decode_step(q, cache.k_cache, cache.v_cache, cache.sums, lens, cfg, backend,
+                             cache.mins, cache.maxs)
     else:
         o, lse = prefill_with_cache(q, cache.k_cache, cache.v_cache, cache.sums, lens.tolist(),
-                                    cfg, backend)
+                                    cfg, backend, cache.mins, cache.maxs)
     return (o, lse) if return_lse else o

@@ -52,6 +52,30 @@ def test_return_lse_and_precomputed_block_idx(rng):
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
+@pytest.mark.parametrize("knobs", [dict(query_tile=4), dict(query_tile=8, tile_reduce="lse"),
+                                   dict(query_tile=2, tile_reduce="qmean"),
+                                   dict(beam_leaf=6, scorer="bound")])
+def test_selection_v2_knobs_through_the_api(knobs, rng):
+    """Tiles, the leaf beam and the bound scorer: the API's torch path equals the oracle, its
+    attention equals the per-token attention over each token's tile row, and a tile's row is the
+    selection of every token in it."""
+    from pisa.ops.attn.naive import naive_attn
+    from pisa.ops.select import tiles_to_tokens
+    from pisa.ops.utils.config import n_query_tiles
+    q, k, v = _qkv(Tq=70, Tk=93, dtype=torch.float64)
+    kw = dict(block_size=8, topk=5, beam=3, **knobs)
+    i1, c1 = pisa_select(q, k, backend="naive", **kw)
+    i2, c2 = pisa_select(q, k, backend="torch", **kw)
+    qt = knobs.get("query_tile", 1)
+    assert i2.shape[1] == n_query_tiles(70, 93, qt)
+    assert torch.equal(i1, i2) and torch.equal(c1, c2)
+    per_token, _ = tiles_to_tokens(i2, c2, 70, 93, qt)
+    want = naive_attn(q, k, v, per_token, 8, 16 ** -0.5)[0]
+    torch.testing.assert_close(pisa_attn(q, k, v, backend="torch", **kw), want)
+    empty = pisa_select(q[:, :0], k, backend="torch", **kw)[0]
+    assert empty.shape == (1, 0, 2, 5)
+
+
 BAD = [
     (dict(q=torch.randn(2, 8, 4)), ValueError, "q must have shape"),
     (dict(k=torch.randn(1, 16, 3, 16)), ValueError, "multiple of k heads"),
@@ -428,3 +452,38 @@ def test_gpu_new_lengths_compile_nothing(rng):
         assert triton_variants() == n, f"T={T} compiled {triton_variants() - n} new variants"
     call(5000, batch_stride=1 << 31)
     assert triton_variants() == n, "a 64-bit batch stride compiled new variants"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kvcache_decode_with_v2_knobs_equals_prefill(backend, rng):
+    """Through ``pisa_attn_with_kvcache``: decoding token by token with the bound scorer (bounds
+    built lazily from the cache's keys, then kept by the appends) and a wider leaf beam equals
+    the prefill rows of ``pisa_attn``."""
+    from pisa import PisaCache, pisa_attn_with_kvcache
+    q, k, v = _qkv(Tq=80, Tk=80, HQ=4, HKV=2, D=16)
+    kw = dict(topk=4, beam=2, beam_leaf=4, scorer="bound")
+    full = pisa_attn(q, k, v, block_size=16, backend="torch", **kw)
+    cache = PisaCache.from_prefill(k[:, :72], v[:, :72], block_size=16, max_seqlen=80)
+    assert cache.mins is None
+    for t in range(72, 80):
+        o = pisa_attn_with_kvcache(q[:, t:t + 1], cache, k[:, t:t + 1], v[:, t:t + 1],
+                                   backend=backend, **kw)
+        torch.testing.assert_close(o[:, 0], full[:, t], rtol=1e-4, atol=1e-5)
+    assert cache.mins is not None
+
+
+def test_triton_tiles_through_the_api_equal_torch(rng):
+    """``pisa_attn`` with query tiles on the Triton kernels (interpreter on CPU): selection and
+    attention equal the torch backend's, gradients included."""
+    q, k, v = _qkv(Tq=90, Tk=120, HQ=8, HKV=2, D=16, grad=True)
+    kw = dict(block_size=16, topk=4, beam=2, beam_leaf=3, query_tile=8, tile_reduce="qmean")
+    i_t, _ = pisa_select(q.detach(), k.detach(), backend="triton", **kw)
+    i_c, _ = pisa_select(q.detach(), k.detach(), backend="torch", **kw)
+    assert torch.equal(i_t, i_c)
+    do = torch.randn(1, 90, 8, 16)
+    outs = []
+    for backend in ("triton", "torch"):
+        o = pisa_attn(q, k, v, backend=backend, **kw)
+        outs.append((o,) + torch.autograd.grad(o, (q, k, v), do))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

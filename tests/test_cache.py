@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from pisa import PisaCache, pisa_attn, pisa_attn_with_kvcache
+from pisa.ops.pyramid import build_pyramid
 from pisa.ops.pyramid.torch_backend import build_pyramid_torch
 from pisa.ops.utils.geometry import level_offsets
 
@@ -38,6 +39,80 @@ def test_cache_layout_and_properties():
         (3, 100, 2, 16)
     assert cache.device == torch.device("cpu") and "max_seqlen=100" in repr(cache)
     cache.check()
+
+
+def _assert_bounds_match_keys(cache, k):
+    """The cache's key bounds of each sequence equal ``build_pyramid(..., bounds=True)`` of its
+    real keys (``cache.pyramid``), and nodes without a real key hold +inf / -inf."""
+    for b in range(cache.batch_size):
+        n = int(cache.cache_seqlens[b])
+        counts = torch.cat([(n - torch.arange(cache.offsets[i + 1] - cache.offsets[i])
+                             * cache.block_size * cache.branching ** i).clamp_min(0)
+                            for i in range(cache.n_levels)])
+        empty = counts == 0
+        assert torch.isposinf(cache.mins[b][empty]).all()
+        assert torch.isneginf(cache.maxs[b][empty]).all()
+        if n == 0:
+            continue
+        got = cache.pyramid(b)
+        want = build_pyramid(k[b:b + 1, :n].to(cache.sums.dtype), cache.block_size,
+                             cache.branching, "torch", bounds=True)
+        assert torch.equal(got.mins, want.mins) and torch.equal(got.maxs, want.maxs), b
+
+
+def test_default_cache_allocates_no_bounds():
+    cache = PisaCache(2, 100, 2, 16, block_size=8, dtype=torch.float32)
+    assert cache.mins is None and cache.maxs is None and not cache.has_bounds
+    assert "bounds=False" in repr(cache)
+    cache.append(*torch.randn(2, 2, 10, 2, 16))
+    assert cache.mins is None and cache.pyramid(0).mins is None
+    pre = PisaCache.from_prefill(*torch.randn(2, 2, 10, 2, 16), block_size=8)
+    assert pre.mins is None and pre.maxs is None
+    with pytest.raises(TypeError, match="bounds must be a bool"):
+        PisaCache(1, 10, 1, 8, bounds=1)
+
+
+def test_bounds_cache_layout():
+    cache = PisaCache(3, 100, 2, 16, block_size=8, branching=4, dtype=torch.bfloat16,
+                      bounds=True)
+    assert cache.has_bounds and "bounds=True" in repr(cache)
+    for x in (cache.mins, cache.maxs):
+        assert x.shape == cache.sums.shape and x.dtype == torch.float32 and x.is_contiguous()
+    assert torch.isposinf(cache.mins).all() and torch.isneginf(cache.maxs).all()
+    cache.check()
+    cache.maxs = cache.maxs[:, :-1]
+    with pytest.raises(ValueError, match="maxs must be"):
+        cache.check()
+
+
+def test_bounds_follow_prefill_appends_and_reset(rng):
+    """Ragged prefill (padding keys never enter a bound), then appends of one token and of chunks,
+    a reset and a restart: the bounds equal those of each sequence's real keys throughout;
+    ``enable_bounds`` on a cache made without them builds the same bounds from its keys."""
+    B, T, H, D, C = 3, 150, 2, 8, 8
+    _, k, v = _qkv(B, T, H, 1, D)
+    pad = k.clone()
+    pad[0, :] = 1e6  # sequence 0 is empty: its padding would dominate every max
+    pad[1, 13:60] = -1e6
+    kw = dict(max_seqlen=T, seqlens=[0, 13, 60], block_size=C, branching=3)
+    cache = PisaCache.from_prefill(pad[:, :60], v[:, :60], bounds=True, **kw)
+    plain = PisaCache.from_prefill(pad[:, :60], v[:, :60], **kw)
+    _assert_bounds_match_keys(cache, k)
+    for L in (1, 1, 20, 7):
+        pos = cache.cache_seqlens.long()[:, None] + torch.arange(L)
+        cache.append(_at(k, pos), _at(v, pos))
+        plain.append(_at(k, pos), _at(v, pos))
+        _assert_bounds_match_keys(cache, k)
+    assert torch.equal(cache.sums, plain.sums)
+    plain.enable_bounds()
+    assert torch.equal(plain.mins, cache.mins) and torch.equal(plain.maxs, cache.maxs)
+    cache.reset([1])
+    assert torch.isposinf(cache.mins[1]).all() and torch.isneginf(cache.maxs[1]).all()
+    cache.append(k[:, :5], v[:, :5])  # sequence 1 restarts from k[1, :5]; the others go on
+    keys = torch.zeros(B, 94, H, D, dtype=k.dtype)
+    for b, n in enumerate((29, 0, 89)):
+        keys[b, :n + 5] = torch.cat([k[b, :n], k[b, :5]])
+    _assert_bounds_match_keys(cache, keys)
 
 
 @pytest.mark.parametrize("kwargs,exc,msg", [

@@ -42,9 +42,11 @@ from ..ops.utils.config import SelectConfig
 NAME = "pisa"
 # PISA knobs read from the model config as ``config.pisa_<name>`` (e.g. ``config.pisa_topk``).
 PISA_DEFAULTS = {"block_size": SelectConfig.block_size, "topk": SelectConfig.topk,
-                 "branching": SelectConfig.branching, "beam": None, "scorer": SelectConfig.scorer,
-                 "selector": SelectConfig.selector,
-                 "forced_in_budget": SelectConfig.forced_in_budget, "backend": "auto"}
+                 "branching": SelectConfig.branching, "beam": None, "beam_leaf": None,
+                 "scorer": SelectConfig.scorer, "selector": SelectConfig.selector,
+                 "forced_in_budget": SelectConfig.forced_in_budget,
+                 "query_tile": SelectConfig.query_tile, "tile_reduce": SelectConfig.tile_reduce,
+                 "backend": "auto"}
 
 
 def pisa_knobs(config) -> dict:

@@ -2,21 +2,34 @@
 (``decode_step``: the fused Triton kernel ``triton.decode_triton`` or
 ``torch_backend.decode_torch``) and chunked prefill (``prefill_with_cache``: the training selection,
 on the pyramid taken from the cache's sums, and the sparse attention kernels).
+
+The key bounds ``mins, maxs`` (``kvcache``: per node and channel, kept by a cache made with
+``bounds=True``) are optional arguments of every op here; ``scorer="bound"`` ranks by them.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..attn import sparse_attn
-from ..select import select
+from ..select import select, tiles_to_tokens
 from ..utils.config import SelectConfig, check_qk
 from .kvcache import check_cache, pyramid_from_sums
 
 
+def uses_bounds(cfg: SelectConfig) -> bool:
+    """Whether the selection of ``cfg`` ranks by the pyramid's key bounds (``scorer="bound"`` on
+    the pyramid walk; the flat selectors never read them)."""
+    return cfg.selector == "pyramid" and cfg.scorer == "bound"
+
+
 def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig) -> None:
-    """Validate decode inputs (metadata only: no host sync)."""
-    check_cache(k_cache, v_cache, sums, cache_seqlens, cfg.block_size, cfg.branching)
+                 sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig,
+                 mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None) -> None:
+    """Validate decode inputs (metadata only: no host sync). ``scorer="bound"`` needs the cache's
+    key bounds ``mins, maxs`` (a cache made with ``bounds=True``)."""
+    check_cache(k_cache, v_cache, sums, cache_seqlens, cfg.block_size, cfg.branching, mins, maxs)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     B, _, H, D = k_cache.shape
@@ -30,41 +43,62 @@ def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if cfg.selector not in ("pyramid", "flat_lse", "flat_mean"):
         raise ValueError(f"cfg.selector must be resolved (pyramid, flat_lse or flat_mean), got "
                          f"{cfg.selector!r}")
+    if uses_bounds(cfg) and mins is None:
+        raise ValueError("scorer='bound' needs the cache's key bounds (mins, maxs): make the "
+                         "cache with PisaCache(..., bounds=True) or call cache.enable_bounds()")
 
 
 def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, backend: str):
+                sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, backend: str,
+                mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None):
     """One decode step for inputs the caller checked (``check_decode``): the fused kernel walks
-    the pyramid with LSE scores on ``backend="triton"``; flat scans and the scorer ablations
-    decode through the torch path. Returns ``o [B, 1, HQ, D]``, ``lse [B, HQ, 1]`` fp32."""
-    if backend == "triton" and cfg.selector == "pyramid" and cfg.scorer == "lse":
+    the pyramid (LSE scores, or with the key bounds ``mins, maxs`` for ``scorer="bound"``; any
+    ``beam_leaf``) on ``backend="triton"``; flat scans and the mean / meanvar ablations decode
+    through the torch path. Returns ``o [B, 1, HQ, D]``, ``lse [B, HQ, 1]`` fp32.
+
+    A decode step is always per token: ``cfg.query_tile`` and ``cfg.tile_reduce`` are ignored by
+    design (``PISA_SPEC.md`` §11), so with ``query_tile > 1`` the step equals prefill's row of
+    a per-token selection (``query_tile=1``), not of the tile-shared one."""
+    cfg = dataclasses.replace(cfg, query_tile=1, tile_reduce="sum")  # one token: any reduction
+    if backend == "triton" and cfg.selector == "pyramid" and cfg.scorer in ("lse", "bound"):
         from .triton import decode_triton
-        return decode_triton(q, k_cache, v_cache, sums, cache_seqlens, cfg)
+        return decode_triton(q, k_cache, v_cache, sums, cache_seqlens, cfg, mins=mins,
+                             maxs=maxs)
     from .torch_backend import decode_torch
-    return decode_torch(q, k_cache, v_cache, sums, cache_seqlens, cfg)
+    return decode_torch(q, k_cache, v_cache, sums, cache_seqlens, cfg, mins=mins, maxs=maxs)
 
 
 def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       sums: torch.Tensor, seqlens: list[int], cfg: SelectConfig, backend: str):
+                       sums: torch.Tensor, seqlens: list[int], cfg: SelectConfig, backend: str,
+                       mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None):
     """Chunked prefill: queries ``q [B, L, HQ, D]`` at the last ``L`` positions of each
     sequence's first ``seqlens[b]`` keys (bottom-right causal), whose keys are already appended.
 
-    Selection runs on the pyramid taken from the cache's sums (``pyramid_from_sums``) for the
-    ``torch`` and ``triton`` backends (``naive`` builds its own from the keys), then
-    ``sparse_attn``. Sequences of equal length go through together; otherwise one at a time.
-    ``seqlens`` are host ints (prefill may sync). Returns ``o`` (q's dtype), ``lse [B, HQ, L]``
-    fp32.
+    Selection runs on the pyramid taken from the cache's sums (``pyramid_from_sums``; with the
+    cache's key bounds ``mins, maxs`` when given, which ``scorer="bound"`` ranks by; without them
+    the selection builds the bounds from the keys, O(seqlen)) for the ``torch`` and ``triton``
+    backends (``naive`` builds its own from the keys), then ``sparse_attn``. With
+    ``cfg.query_tile > 1`` the selection has a row per query tile, expanded to the tokens'
+    rows for the attention. Sequences of equal length go through together; otherwise one at a
+    time. ``seqlens`` are host ints (prefill may sync). Returns ``o`` (q's dtype),
+    ``lse [B, HQ, L]`` fp32.
     """
     groups = [slice(None)] if len(set(seqlens)) == 1 else [slice(b, b + 1)
                                                            for b in range(q.shape[0])]
+    bound = uses_bounds(cfg) and mins is not None
     outs, lses = [], []
     for rows in groups:
         s = seqlens[rows][0]
         qb, k, v = q[rows], k_cache[rows, :s], v_cache[rows, :s]
         check_qk(qb, k, v)
-        pyramid = None if backend == "naive" else pyramid_from_sums(sums[rows], s, cfg.block_size,
-                                                                    cfg.branching)
-        block_idx, _ = select(qb.detach(), k, cfg, backend, pyramid)
+        pyramid = None
+        if backend != "naive":
+            bounds = (mins[rows], maxs[rows]) if bound else (None, None)
+            pyramid = pyramid_from_sums(sums[rows], s, cfg.block_size, cfg.branching, *bounds)
+        block_idx, counts = select(qb.detach(), k, cfg, backend, pyramid)
+        if cfg.query_tile > 1:
+            # TODO(tiles): hand the tile rows to sparse_attn directly once it takes them
+            block_idx, _ = tiles_to_tokens(block_idx, counts, qb.shape[1], s, cfg.query_tile)
         o, lse = sparse_attn(qb, k, v, block_idx, cfg.block_size, cfg.scale, backend)
         outs.append(o)
         lses.append(lse)

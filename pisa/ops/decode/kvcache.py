@@ -10,14 +10,24 @@ Layout (contiguous form, per layer; shared with ``decode.torch`` and ``decode.tr
   and holds the sum of those of its keys that lie before ``cache_seqlens[b]``; rows past the
   sequence are zero.
 - ``cache_seqlens [B]`` int32: valid keys per sequence.
+- Optional, for ``scorer="bound"`` (``PISA_SPEC.md`` §11): ``mins, maxs [B, N_total, HKV, D]`` in
+  the layout and dtype of ``sums``: every node's per-channel min and max over its keys that lie
+  before ``cache_seqlens[b]``. A node without such keys (past the sequence) holds ``+inf`` in
+  ``mins`` and ``-inf`` in ``maxs``, the neutral values of the updates, so a partially filled
+  node bounds only its real keys. A cache made without them (the default) allocates nothing;
+  ``bounds_from_keys`` builds them from the keys when asked for later.
 
 Counts are not stored: node ``i`` of level ``l`` holds ``clamp(seqlen - i·C·g^(l-1), 0,
 C·g^(l-1))`` keys. Keeping sums (not means) makes an append a plain add into the new key's leaf and
-each of its ancestors: O(log N) work per token, O(N/C) memory on top of K/V.
+each of its ancestors: O(log N) work per token, O(N/C) memory on top of K/V. The bounds update the
+same way, with an elementwise min / max (``scatter_reduce_``) along the same ancestor path.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from ..pyramid import Pyramid
 from ..utils.config import check_geometry
@@ -25,8 +35,11 @@ from ..utils.geometry import compute_dtype, level_offsets, level_sizes
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
-                cache_seqlens: torch.Tensor, block_size: int, branching: int) -> tuple[int, ...]:
-    """Validate a cache's tensors (metadata only: no host sync); return the pyramid offsets."""
+                cache_seqlens: torch.Tensor, block_size: int, branching: int,
+                mins: torch.Tensor | None = None,
+                maxs: torch.Tensor | None = None) -> tuple[int, ...]:
+    """Validate a cache's tensors (metadata only: no host sync), the optional key bounds
+    ``mins, maxs`` (both or neither, each like ``sums``) too; return the pyramid offsets."""
     check_geometry(block_size, branching)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("sums", sums),
                     ("cache_seqlens", cache_seqlens)):
@@ -51,12 +64,31 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor
                          f"{sums.dtype} {tuple(sums.shape)}")
     if sums.device != k_cache.device or not sums.is_contiguous():
         raise ValueError(f"sums must be contiguous on k_cache's device {k_cache.device}")
+    check_bounds(sums, mins, maxs)
     if tuple(cache_seqlens.shape) != (B,) or cache_seqlens.dtype != torch.int32 \
             or cache_seqlens.device != k_cache.device:
         raise ValueError(f"cache_seqlens must be int32 [{B}] on {k_cache.device}, got "
                          f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)} on "
                          f"{cache_seqlens.device}")
     return offsets
+
+
+def check_bounds(sums: torch.Tensor, mins: torch.Tensor | None,
+                 maxs: torch.Tensor | None) -> None:
+    """The optional key bounds: both or neither; each a contiguous tensor of ``sums``' shape,
+    dtype and device (metadata only)."""
+    if (mins is None) != (maxs is None):
+        raise ValueError("mins and maxs (the pyramid's key bounds) must be given together")
+    for name, x in (("mins", mins), ("maxs", maxs)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape != sums.shape or x.dtype != sums.dtype or x.device != sums.device \
+                or not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {sums.dtype} {list(sums.shape)} tensor "
+                             f"on {sums.device} (the layout of sums), got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
 
 
 def check_seqlens(cache_seqlens: torch.Tensor | int, max_seqlen: int, n_new: int = 0,
@@ -106,19 +138,23 @@ def check_new_kv(k_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
 
 def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
               k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
-              block_size: int, branching: int) -> None:
+              block_size: int, branching: int, mins: torch.Tensor | None = None,
+              maxs: torch.Tensor | None = None) -> None:
     """``write_kv`` after checking the cache (``check_cache``) and the new rows."""
-    check_cache(k_cache, v_cache, sums, cache_seqlens, block_size, branching)
+    check_cache(k_cache, v_cache, sums, cache_seqlens, block_size, branching, mins, maxs)
     check_new_kv(k_cache, k_new, v_new)
-    write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching)
+    write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching, mins,
+             maxs)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
              k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
-             block_size: int, branching: int) -> None:
+             block_size: int, branching: int, mins: torch.Tensor | None = None,
+             maxs: torch.Tensor | None = None) -> None:
     """Write ``k_new, v_new [B, L, HKV, D]`` at positions ``[seqlens_b, seqlens_b + L)`` of each
     sequence and add the new keys into their leaf's and every ancestor's sum, in place (inputs
-    checked by the caller).
+    checked by the caller). With the key bounds ``mins, maxs`` (the cache's, or ``None``), the
+    same nodes' bounds take the elementwise min / max with the new keys: O(log N) per token too.
 
     Does not advance ``cache_seqlens`` (the caller does). All indices are computed on the device
     from ``cache_seqlens``: no host sync and no branching on tensor values, so a decode step that
@@ -144,9 +180,52 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     flat = sums.view(B * offsets[-1], H, D)
     keys = k_new.reshape(B * L, H, D).to(sums.dtype)
     base = seq * offsets[-1]
+    bounds = [] if mins is None else [(mins.view(B * offsets[-1], H, D), "amin"),
+                                      (maxs.view(B * offsets[-1], H, D), "amax")]
     for lvl in range(1, len(offsets)):
         span = block_size * branching ** (lvl - 1)  # keys under one node of this level
-        flat.index_add_(0, (base + offsets[lvl - 1] + pos // span).reshape(-1), keys)
+        rows = (base + offsets[lvl - 1] + pos // span).reshape(-1)
+        flat.index_add_(0, rows, keys)
+        for x, reduce in bounds:
+            x.scatter_reduce_(0, rows[:, None, None].expand(B * L, H, D), keys, reduce)
+
+
+def empty_bounds(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key bounds ``(mins, maxs)`` of an empty cache, in the layout of ``sums``: ``+inf`` and
+    ``-inf`` (no key yet)."""
+    return torch.full_like(sums, math.inf), torch.full_like(sums, -math.inf)
+
+
+def bounds_from_keys(k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int,
+                     branching: int,
+                     chunk_elems: int = 1 << 24) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key bounds ``(mins, maxs) [B, N_total, HKV, D]`` (the layout of the cache's sums,
+    ``compute_dtype``) of each sequence's first ``cache_seqlens[b]`` keys of ``k_cache``:
+    one O(T_max) pass (leaves from the keys, in chunks of about ``chunk_elems`` key elements,
+    then each level from the one below). Keys past a length are never read into a bound (they
+    may hold anything, NaN included); nodes without a real key hold ``+inf`` / ``-inf``."""
+    B, T, H, D = k_cache.shape
+    C, g = block_size, branching
+    offsets = level_offsets(T, C, g)
+    dt, dev = compute_dtype(k_cache), k_cache.device
+    mins = torch.empty(B, offsets[-1], H, D, dtype=dt, device=dev)
+    maxs = torch.empty_like(mins)
+    lens = cache_seqlens.to(device=dev, dtype=torch.long)[:, None]
+    n_leaves = offsets[1]
+    step = max(1, chunk_elems // max(B * C * H * D, 1))  # leaves a chunk
+    for s in range(0, n_leaves, step):
+        e = min(n_leaves, s + step)
+        x = k_cache[:, s * C:min(e * C, T)].to(dt)
+        x = F.pad(x, (0, 0, 0, 0, 0, (e - s) * C - x.shape[1])).view(B, e - s, C, H, D)
+        real = (torch.arange(s * C, e * C, device=dev)[None, :] < lens).view(B, e - s, C, 1, 1)
+        mins[:, s:e] = torch.where(real, x, math.inf).amin(2)
+        maxs[:, s:e] = torch.where(real, x, -math.inf).amax(2)
+    for lvl in range(2, len(offsets)):
+        lo, mid, hi = offsets[lvl - 2], offsets[lvl - 1], offsets[lvl]
+        for x, fill, reduce in ((mins, math.inf, "amin"), (maxs, -math.inf, "amax")):
+            child = F.pad(x[:, lo:mid], (0, 0, 0, 0, 0, (hi - mid) * g - (mid - lo)), value=fill)
+            x[:, mid:hi] = getattr(child.view(B, hi - mid, g, H, D), reduce)(2)
+    return mins, maxs
 
 
 def _leaves_of(n_total: int, branching: int) -> int:
@@ -175,14 +254,17 @@ def node_counts(n_tokens: int, offsets: tuple[int, ...], block_size: int, branch
     return torch.cat(counts).to(torch.int32)
 
 
-def pyramid_from_sums(sums: torch.Tensor, seqlen: int, block_size: int,
-                      branching: int) -> Pyramid:
-    """The ``Pyramid`` (means, counts, offsets) of the first ``seqlen`` keys of a cache.
+def pyramid_from_sums(sums: torch.Tensor, seqlen: int, block_size: int, branching: int,
+                      mins: torch.Tensor | None = None,
+                      maxs: torch.Tensor | None = None) -> Pyramid:
+    """The ``Pyramid`` (means, counts, offsets; with the cache's key bounds ``mins, maxs``, those
+    too) of the first ``seqlen`` keys of a cache.
 
     ``sums [B, N_total, HKV, D]`` in the cache layout (geometry of the cache's ``T_max``), holding
     the first ``seqlen`` keys of every sequence of the batch. Returns the pyramid in the geometry
     of ``seqlen`` keys (``level_offsets(seqlen, C, g)``), as ``build_pyramid_torch`` builds it from
-    those keys (up to summation order): the training selection kernels take it as ``pyramid=``.
+    those keys (up to summation order; the bounds exactly): the training selection kernels take
+    it as ``pyramid=``.
     """
     check_geometry(block_size, branching)
     if not isinstance(sums, torch.Tensor) or sums.dim() != 4 or not sums.is_floating_point():
@@ -197,4 +279,8 @@ def pyramid_from_sums(sums: torch.Tensor, seqlen: int, block_size: int,
                                    device=sums.device) for i in range(len(offsets) - 1)])
     counts = node_counts(seqlen, offsets, block_size, branching, sums.device)
     means = sums.index_select(1, rows) / counts[None, :, None, None].to(sums.dtype)
-    return Pyramid(means, counts, offsets)
+    if mins is None:
+        return Pyramid(means, counts, offsets)
+    if mins.shape != sums.shape or maxs is None or maxs.shape != sums.shape:
+        raise ValueError(f"mins and maxs must both have sums' shape {tuple(sums.shape)}")
+    return Pyramid(means, counts, offsets, mins.index_select(1, rows), maxs.index_select(1, rows))

@@ -7,7 +7,10 @@ nodes that start after the query are dropped and the nodes holding it are forced
 above the prefill root only node 0 is active. Every ranked node lies wholly before the query's
 block, so its children are full: their means ``sums / full count`` are exact, and the count weights
 of the scores equal those of the ``T_max`` geometry. Nodes holding the query or later keys are never
-scored, so their (partial) sums never matter.
+scored, so their (partial) sums never matter. The same holds for the key bounds of
+``scorer="bound"`` (the cache's ``mins, maxs``, ``+inf`` / ``-inf`` past each sequence): every
+ranked node's children are full and real, and the scores of the other nodes, which may be NaN
+from those infinities, are discarded by the walk before ranking.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from .kvcache import pyramid_from_sums
 
 
 def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig):
+                 sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig,
+                 mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None):
     """One decode step: selection and attention for one query per sequence (inputs checked by
     the caller: ``check_decode``).
 
@@ -32,7 +36,10 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache, v_cache: (batch, max_seqlen, nheads_k, headdim).
         sums: (batch, N_total, nheads_k, headdim) fp32 (fp64 for fp64 caches), the pyramid sums.
         cache_seqlens: (batch,) int32, valid keys per sequence (0 gives ``o = 0``, ``lse = -inf``).
-        cfg: resolved ``SelectConfig`` (block size and branching of the cache).
+        cfg: resolved ``SelectConfig`` (block size and branching of the cache). Per token:
+            ``query_tile`` and ``tile_reduce`` play no part (one token's rows).
+        mins, maxs: optional (batch, N_total, nheads_k, headdim), the cache's key bounds, in the
+            layout of ``sums``; ``scorer="bound"`` needs them.
 
     Returns:
         out: (batch, 1, nheads, headdim), q's dtype. Equals row ``cache_seqlens[b] - 1`` of
@@ -43,10 +50,10 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     walk and the attention read O(log N) summaries and ``K`` blocks per KV head.
     """
     with torch.no_grad():
-        return _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg)
+        return _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg, mins, maxs)
 
 
-def _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg: SelectConfig):
+def _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg: SelectConfig, mins, maxs):
     B, _, HQ, D = q.shape
     H, C = k_cache.shape[2], cfg.block_size
     n_leaves = cdiv(k_cache.shape[1], C)
@@ -54,18 +61,21 @@ def _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg: SelectConfig):
     pos = t_abs.clamp_min(0)  # an empty sequence selects as if at 0, then attends to nothing
     forced = forced_leaves_tensor(pos, C)  # [B, 1, 3]
     qs = q.to(compute_dtype(q)).reshape(B, 1, H, HQ // H, D) * cfg.scale
-    pyramid = pyramid_from_sums(sums, n_leaves * C, C, cfg.branching)
+    bound = cfg.selector == "pyramid" and cfg.scorer == "bound"
+    if bound and mins is None:
+        raise ValueError("scorer='bound' needs the cache's key bounds (mins, maxs)")
+    bounds = (mins, maxs) if bound else (None, None)
+    pyramid = pyramid_from_sums(sums, n_leaves * C, C, cfg.branching, *bounds)
     if cfg.selector == "pyramid":
         cand = walk(qs, pyramid, pos, forced, cfg)
     else:
         cand = torch.arange(n_leaves, device=q.device).expand(B, 1, H, n_leaves)
     free = (cand >= 0) & (cand * C <= pos[..., None, None]) & ~is_in(cand, forced)
     cand = torch.where(free, cand, -1)
-    if cfg.selector == "flat_mean" or (cfg.selector == "pyramid" and cfg.scorer == "mean"):
+    if cfg.leaf_scorer == "mean":  # flat_mean, or the pyramid's mean scorer
         score = flat_mean_scores(qs, pyramid.level(1)[0], cand)
-    else:
-        scorer = "lse" if cfg.selector == "flat_lse" else cfg.scorer
-        score = _leaf_scores(qs, k_cache, cand, pos, C, scorer)
+    else:  # the exact LSE (flat_lse, lse, bound) or meanvar over the leaf's keys
+        score = _leaf_scores(qs, k_cache, cand, pos, C, cfg.leaf_scorer)
     block_idx, _ = finish_selection(cand, score, forced, cfg)
     o, lse = _attend(qs, k_cache, v_cache, block_idx, t_abs, C, q.dtype)
     # a length outside [0, T_max] gives NaN rows (as the Triton kernel), not a clamped answer

@@ -14,16 +14,29 @@ are fixed by the cache shape; above the sequence's own root only node 0 is activ
 walk equals prefill's):
 
 - internal levels, root to level 2: a level's free nodes (causal and not forced) never get fewer
-  going down, and while they number at most ``W`` all are kept unscored. So the kernel computes
-  from ``t``, ``C`` and ``g`` how many top levels are like that, skips them, and starts at the
-  first level with more free nodes, taking all free nodes of the level above as kept. From there
-  the candidates are the children of the kept nodes of the level above and of its forced nodes
-  (``select.triton.candidates``), free ones only: always more than ``W``, so each is scored per
-  head by the LSE over its children's means (``_child_lse``: the cache's sums over the children's
-  key count, which is the full span, as every ranked node lies before the query), summed over
-  heads, and ``tl.topk`` over packed (score, index) keys keeps ``W``. Per ranked level that is
-  ``g`` loads of the candidates' child sums (in flight together, ``num_stages`` permitting),
-  their dots and the top-k.
+  going down, and while they number at most the level's beam all are kept unscored. So the kernel
+  computes from ``t``, ``C`` and ``g`` how many top levels are like that, skips them, and starts
+  at the first level with more free nodes, taking all free nodes of the level above as kept. From
+  there the candidates are the children of the kept nodes of the level above and of its forced
+  nodes (``select.triton.candidates``), free ones only: always more than ``W``, so each is scored
+  per head by the LSE over its children's means (``_child_lse``: the cache's sums over the
+  children's key count, which is the full span, as every ranked node lies before the query),
+  summed over heads, and ``tl.topk`` over packed (score, index) keys keeps ``W``. Per ranked level
+  that is ``g`` loads of the candidates' child sums (in flight together, ``num_stages``
+  permitting), their dots and the top-k.
+- ``beam_leaf`` (``W2``, ``PISA_SPEC.md`` §11): level 2, whose children are the leaves, keeps
+  ``W2`` instead of ``W``. With ``W2 == W`` (``beam_leaf`` None or ``beam``) the kernel is the
+  single-beam one: one loop over every ranked level, the leaf stage over ``[WP]``. Otherwise the
+  loop ranks the levels above 2 and level 2 is ranked after it into a register tile of its own
+  width ``WPL`` (skipped, when all levels above were and it has at most ``W2`` free nodes; all
+  its candidates kept when they are at most ``W2``), and the leaf stage takes its ``[WPL]``.
+- ``scorer="bound"``: the cache's per-node key ``mins`` / ``maxs`` replace the means at the
+  internal levels: per candidate child ``z = scale * (q_a . max + q_b . min)`` with ``q_a`` the
+  query elements where ``scale * q > 0`` and ``q_b`` the others (``sum_d max(s q_d min_d,
+  s q_d max_d)``, the oracle's bound logit: two loads and two dots a child instead of one), then
+  the same LSE over the children, sum over heads and top-k. Leaves are still ranked by their
+  exact LSE. Only ranked nodes' children are read, which lie wholly before the query, so the
+  ``+inf`` / ``-inf`` bounds of nodes past a sequence are never loaded.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
   keys (``select.triton.leaf_key_scores``: one ``[g * C, D]`` load and one dot per parent, the
   next parents' keys loading meanwhile); the best ``K - #forced`` free blocks (``K`` with
@@ -48,9 +61,11 @@ exact reciprocal of the count, a power of two), as the prefill build computes th
 sums; those only differ in summation order, so decode and prefill can differ only on near-tied
 candidates.
 
-Limits: ``scorer="lse"``, ``selector="pyramid"``; ``branching`` 2 or 4; ``block_size`` a power of
-two in [16, 128]; head dim 16, 32, 64 or 128; ``1 <= W <= 512 / g`` (wider beams are capped at the
-leaf count of ``T_max``, which prunes nothing either).
+Limits: ``scorer`` "lse" or "bound", ``selector="pyramid"``; ``branching`` 2 or 4; ``block_size``
+a power of two in [16, 128]; head dim 16, 32, 64 or 128; ``1 <= W <= 512 / g`` (wider beams are
+capped at the leaf count of ``T_max``, which prunes nothing either); ``W2 >= 1`` whose level-2
+tile ``min(next_pow2(W2), 2 g WP)`` is at most ``512 / g`` (``beam_widths`` raises otherwise).
+``query_tile`` / ``tile_reduce`` do not apply: a decode step is one token.
 """
 from __future__ import annotations
 
@@ -114,31 +129,89 @@ def _free_end(cur, shift):
 
 
 @triton.jit
-def _child_lse(b_q, o_x, m_x, p_child, s_cn, inv_n, scale,
+def _child_lse(b_q, b_qb, o_x, m_x, p_child, p_lo, s_cn, inv_n, scale,
                G_BR: tl.constexpr, D: tl.constexpr, F32_PREC: tl.constexpr,
-               STAGES: tl.constexpr):
-    """Per query row scores ``[ROWS, NX]`` of candidates ``o_x [NX]``: ``log sum_c exp(scale *
-    q . s_c * inv_n)`` over their ``G_BR`` children's sums ``s_c`` (rows ``o_x * G_BR + c`` of
-    ``p_child``), online over ``c``; ``-inf`` outside ``m_x``. ``STAGES - 1`` child tiles load
-    ahead: with ``STAGES > G_BR``, one memory round trip per level instead of ``G_BR``.
+               STAGES: tl.constexpr, BOUND: tl.constexpr):
+    """Per query row scores ``[ROWS, NX]`` of candidates ``o_x [NX]``: ``log sum_c exp(z_c)``
+    over their ``G_BR`` children (rows ``o_x * G_BR + c`` of ``p_child``), online over ``c``;
+    ``-inf`` outside ``m_x``. ``STAGES - 1`` child tiles load ahead: with ``STAGES > G_BR``, one
+    memory round trip per level instead of ``G_BR``.
+
+    ``z_c = scale * q . s_c * inv_n`` from the children's sums ``s_c``; with ``BOUND``
+    (``scorer="bound"``) ``z_c = scale * (q_a . max_c + q_b . min_c)`` from the children's key
+    maxs (at ``p_child``) and mins (at ``p_lo``), ``b_q`` holding the rows' elements where
+    ``scale * q > 0`` and ``b_qb`` the others: ``sum_d max(s q_d min_d, s q_d max_d)``, the
+    oracle's bound logit.
 
     A ranked node lies wholly before the query (nodes holding it are forced, later ones dropped),
     so each of its children is full: ``n`` keys, a power of two, and ``inv_n = 1 / n`` exactly,
-    so ``s_c * inv_n`` is the mean ``s_c / n``. The spec's count weights ``n_c`` are one constant
-    factor per level, which no ranking sees."""
+    so ``s_c * inv_n`` is the mean ``s_c / n`` (and its bounds hold real keys only). The spec's
+    count weights ``n_c`` are one constant factor per level, which no ranking sees."""
     o_d = tl.arange(0, D)
     M: tl.constexpr = b_q.shape[0]
     N: tl.constexpr = o_x.shape[0]
     b_max = tl.full([M, N], float("-inf"), dtype=tl.float32)
     b_acc = tl.zeros([M, N], dtype=tl.float32)
     for c in tl.range(0, G_BR, num_stages=STAGES):
-        p = p_child + (o_x * G_BR + c).to(tl.int64)[:, None] * s_cn + o_d[None, :]
-        b_mean = tl.load(p, mask=m_x[:, None], other=0.) * inv_n
-        b_x = dot_nt_f32(b_q, b_mean, F32_PREC) * scale  # finite: masked rows read zeros
+        o_p = (o_x * G_BR + c).to(tl.int64)[:, None] * s_cn + o_d[None, :]
+        if BOUND:  # finite: masked rows read zeros (nodes past a sequence hold infinities)
+            b_hi = tl.load(p_child + o_p, mask=m_x[:, None], other=0.)
+            b_lo = tl.load(p_lo + o_p, mask=m_x[:, None], other=0.)
+            b_x = (dot_nt_f32(b_q, b_hi, F32_PREC) + dot_nt_f32(b_qb, b_lo, F32_PREC)) * scale
+        else:
+            b_mean = tl.load(p_child + o_p, mask=m_x[:, None], other=0.) * inv_n
+            b_x = dot_nt_f32(b_q, b_mean, F32_PREC) * scale  # finite: masked rows read zeros
         b_new = tl.maximum(b_max, b_x)
         b_acc = b_acc * tl.exp(b_max - b_new) + tl.exp(b_x - b_new)
         b_max = b_new
     return tl.where(m_x[None, :], b_max + tl.log(b_acc), float("-inf"))
+
+
+@triton.jit
+def _level_scores(b_q, b_qb, m_row, b_rest, n_rest, cur, shift, p_child, p_lo, s_sn, scale,
+                  LOG_C: tl.constexpr, G_BR: tl.constexpr, LOG_G: tl.constexpr,
+                  D: tl.constexpr, WP: tl.constexpr, BOUND: tl.constexpr,
+                  F32_PREC: tl.constexpr, STAGES: tl.constexpr):
+    """The candidates ``o_x [2 * G_BR * WP]`` of the level whose nodes span ``2 ** shift``
+    leaves (the children of the ``n_rest`` kept nodes ``b_rest [WP]`` of the level above and of
+    its forced nodes, ``select.triton.candidates``), which are free (``m_x``: causal, not
+    forced), and their group scores (``_child_lse`` per head, summed over the real heads
+    ``m_row``); the children's rows start at ``p_child`` (and ``p_lo``, the mins, for
+    ``BOUND``)."""
+    sc = shift - LOG_G  # the children's shift
+    o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), G_BR, G_BR, WP)
+    m_x = m_x & (o_x >= 1) & (o_x < _free_end(cur, shift))  # free nodes only
+    b_sm = _child_lse(b_q, b_qb, o_x, m_x, p_child, p_lo, s_sn, _exp2i(-(sc + LOG_C)), scale,
+                      G_BR, D, F32_PREC, STAGES, BOUND)
+    return o_x, m_x, tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
+
+
+@triton.jit
+def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, s_kt, scale, C: tl.constexpr,
+              G_BR: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, WP: tl.constexpr,
+              KS: tl.constexpr, F32_PREC: tl.constexpr, STAGES: tl.constexpr):
+    """The leaf stage: exact LSE of the free children (``[1, cur - 2]``) of each of the ``n_rest``
+    kept level-2 nodes ``b_rest [WP]``, then of each new forced parent (sink, previous,
+    current); scores land in the candidate slots by index. ``STAGES - 1`` parents' keys are
+    loaded ahead of the one being scored. Returns the best ``KS`` packed keys, best first."""
+    NX: tl.constexpr = 2 * G_BR * WP
+    o_w = tl.arange(0, WP)
+    o_x, m_x = candidates(b_rest, n_rest, cur, cur, G_BR, G_BR, G_BR, WP)
+    m_free = m_x & (o_x >= 1) & (o_x <= cur - 2)
+    o_c = tl.arange(0, G_BR)
+    b_s = tl.zeros([NX], dtype=tl.float32)
+    for j in tl.range(0, n_rest + 3, num_stages=STAGES):
+        par_f, new_f = forced_parents(j - n_rest, cur, cur, G_BR)
+        kept = j < n_rest
+        par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
+        o_leaf = par * G_BR + o_c
+        m_leaf = (kept | new_f) & (o_leaf >= 1) & (o_leaf <= cur - 2)
+        b_sj = tl.sum(leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
+                                      1, ROWS, C, C, D, D, 0, F32_PREC), axis=0)  # [G_BR]
+        m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, G_BR]
+        b_s = tl.where(tl.max(m_hit.to(tl.int32), axis=1) > 0,
+                       tl.sum(tl.where(m_hit, b_sj[None, :], 0.), axis=1), b_s)
+    return tl.topk(tl.where(m_free, pack(b_s, o_x), KEY_NONE), KS)  # best first
 
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
@@ -146,14 +219,15 @@ def _child_lse(b_q, o_x, m_x, p_child, s_cn, inv_n, scale,
 # 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
 @triton.jit(do_not_specialize=["T_max", "n_leaves", "n_walk"])
 def _decode_kernel(
-        p_q, p_k, p_v, p_sums, p_seqlens, p_o, p_lse, p_idx,
+        p_q, p_k, p_v, p_sums, p_mins, p_maxs, p_seqlens, p_o, p_lse, p_idx,
         T_max, n_leaves, n_walk, scale, scale_log2,
         s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
         s_sb: tl.int64, s_sn, s_sh,
         s_ob: tl.int64, s_oh, s_os, s_lb: tl.int64, s_lh, s_ls, s_ib: tl.int64, s_ih,
         G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
         LOG_C: tl.constexpr, G_BR: tl.constexpr, LOG_G: tl.constexpr, W: tl.constexpr,
-        WP: tl.constexpr, KS: tl.constexpr, TOPK: tl.constexpr,
+        WP: tl.constexpr, W2: tl.constexpr, WPL: tl.constexpr, BOUND: tl.constexpr,
+        KS: tl.constexpr, TOPK: tl.constexpr,
         IN_BUDGET: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, KPS: tl.constexpr,
         WRITE_IDX: tl.constexpr, F32_PREC: tl.constexpr, CHILD_STAGES: tl.constexpr,
         LEAF_STAGES: tl.constexpr, ATTN_STAGES: tl.constexpr):
@@ -161,12 +235,18 @@ def _decode_kernel(
 
     Levels are named by ``shift``: a node spans ``2 ** shift`` leaves (``LOG_G`` per level). The
     walk ranks the ``n_walk`` levels between the root and the leaves of the ``T_max`` geometry,
-    from the highest whose free (causal, non-forced) nodes outnumber ``W``. Register state between
-    levels: ``b_rest [WP]``, the kept free nodes (``n_rest`` of them) of the level above; forced
-    nodes are never carried, they follow from ``cur``.
+    from the highest whose free (causal, non-forced) nodes outnumber its beam: ``W`` above level
+    2, ``W2`` (``beam_leaf``) at level 2, whose children are the leaves. Register state between
+    levels: ``b_rest [WP]``, the kept free nodes (``n_rest`` of them) of the level above, and for
+    the leaf stage the kept level-2 nodes in ``[WPL]``; forced nodes are never carried, they
+    follow from ``cur``. ``W2 == W`` (and ``WPL == WP``: ``beam_leaf`` None or ``beam``) is one
+    loop over every ranked level; otherwise level 2 is ranked after the loop, into ``[WPL]``.
+    ``BOUND`` (``scorer="bound"``) scores internal nodes by their children's key bounds
+    ``p_maxs`` / ``p_mins`` (the layout and strides of ``p_sums``) instead of their means.
     Writes ``o`` rows (``p_o`` at split ``i_s``: the final output, or an fp32 partial) and their
     natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending (``-1`` padded).
     """
+    SPLIT_LEAF: tl.constexpr = (W2 != W) or (WPL != WP)
     i_b, i_h, i_s = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, ROWS, 1, D, D)
     seqlen_in = tl.load(p_seqlens + i_b)
@@ -177,15 +257,32 @@ def _decode_kernel(
     t = seqlen - 1  # the query's position; -1 for an empty sequence (every key masked)
     cur = tl.maximum(t, 0) // C  # 0 for an empty sequence too: no free node at any level
     p_kh = p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh
-    p_sh = p_sums + i_b.to(tl.int64) * s_sb + i_h * s_sh
+    if BOUND:  # the children's key maxs and mins, with the query rows split by sign
+        p_sh = p_maxs + i_b.to(tl.int64) * s_sb + i_h * s_sh
+        p_lh = p_mins + i_b.to(tl.int64) * s_sb + i_h * s_sh
+        m_pos = b_q.to(tl.float32) * scale > 0
+        b_qa = tl.where(m_pos, b_q, tl.zeros_like(b_q))
+        b_qb = tl.where(m_pos, tl.zeros_like(b_q), b_q)
+    else:
+        p_sh = p_sums + i_b.to(tl.int64) * s_sb + i_h * s_sh
+        p_lh = p_sh
+        b_qa = b_q
+        b_qb = b_q
 
-    # Top levels with at most W free nodes keep all of them unscored, and the free nodes' count
-    # (_free_end - 1) never shrinks going down. So skip those levels: the walk starts at the first
-    # level with more, from all free nodes of the level above (none above the highest walk level,
-    # whose parent is the root).
+    # Top levels with at most their beam of free nodes keep all of them unscored, and the free
+    # nodes' count (_free_end - 1) never shrinks going down. So skip those levels: the walk starts
+    # at the first level with more, from all free nodes of the level above (none above the
+    # highest walk level, whose parent is the root).
     o_lv = tl.arange(0, 32)  # walk level i ranks shift LOG_G * (n_walk - i); n_walk < 32
     n_free = tl.maximum(_free_end(cur, LOG_G * tl.maximum(n_walk - o_lv, 0)) - 1, 0)
-    n_skip = tl.sum(((o_lv < n_walk) & (n_free <= W)).to(tl.int32))
+    if SPLIT_LEAF:  # level 2 (walk level n_walk - 1) is skipped only after every level above
+        n_skip = tl.sum(((o_lv < n_walk - 1) & (n_free <= W)).to(tl.int32))
+        n_free2 = tl.sum(tl.where(o_lv == n_walk - 1, n_free, 0))
+        n_skip += ((n_skip == n_walk - 1) & (n_free2 <= W2)).to(tl.int32)
+        n_hi = n_walk - 1  # the loop ranks the levels above level 2
+    else:
+        n_skip = tl.sum(((o_lv < n_walk) & (n_free <= W)).to(tl.int32))
+        n_hi = n_walk
     shift = LOG_G * (n_walk - n_skip)  # of the first ranked level (0: none, leaves next)
     n_rest = tl.maximum(_free_end(cur, shift + LOG_G) - 1, 0)
     o_w = tl.arange(0, WP)
@@ -199,13 +296,14 @@ def _decode_kernel(
     # Ranked levels: each has more than W candidates (the first by the skip, the next ones
     # G_BR * W children of the W kept nodes at least), so W are kept. The candidates are the
     # children of the kept and of the forced nodes above (select_triton.candidates), scored per
-    # head by the LSE over their children's means, summed over heads.
-    for _ in range(n_skip, n_walk):
+    # head by the LSE over their children's means (or bounds), summed over heads.
+    for _ in range(n_skip, n_hi):
         sc = shift - LOG_G  # the children's shift
         o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), G_BR, G_BR, WP)
         m_x = m_x & (o_x >= 1) & (o_x < _free_end(cur, shift))  # free nodes only
-        b_sm = _child_lse(b_q, o_x, m_x, p_sh + lo_c.to(tl.int64) * s_sn, s_sn,
-                          _exp2i(-(sc + LOG_C)), scale, G_BR, D, F32_PREC, CHILD_STAGES)
+        b_sm = _child_lse(b_qa, b_qb, o_x, m_x, p_sh + lo_c.to(tl.int64) * s_sn,
+                          p_lh + lo_c.to(tl.int64) * s_sn, s_sn, _exp2i(-(sc + LOG_C)), scale,
+                          G_BR, D, F32_PREC, CHILD_STAGES, BOUND)
         b_s = tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
         b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WP)
         b_rest = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
@@ -214,26 +312,25 @@ def _decode_kernel(
         sg = tl.maximum(sc - LOG_G, 0)  # the grandchildren's (unused after the last level)
         lo_c = lo_c - ((n_leaves + (1 << sg) - 1) >> sg)
 
-    # Leaves: exact LSE of the free children ([1, cur - 2]) of each kept parent, then of each new
-    # forced parent (sink, previous, current); scores land in the candidate slots by index.
-    # LEAF_STAGES - 1 parents' keys are loaded ahead of the one being scored.
-    NX: tl.constexpr = 2 * G_BR * WP
-    o_x, m_x = candidates(b_rest, n_rest, cur, cur, G_BR, G_BR, G_BR, WP)
-    m_free = m_x & (o_x >= 1) & (o_x <= cur - 2)
-    o_c = tl.arange(0, G_BR)
-    b_s = tl.zeros([NX], dtype=tl.float32)
-    for j in tl.range(0, n_rest + 3, num_stages=LEAF_STAGES):
-        par_f, new_f = forced_parents(j - n_rest, cur, cur, G_BR)
-        kept = j < n_rest
-        par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
-        o_leaf = par * G_BR + o_c
-        m_leaf = (kept | new_f) & (o_leaf >= 1) & (o_leaf <= cur - 2)
-        b_sj = tl.sum(leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
-                                      1, ROWS, C, C, D, D, 0, F32_PREC), axis=0)  # [G_BR]
-        m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, G_BR]
-        b_s = tl.where(tl.max(m_hit.to(tl.int32), axis=1) > 0,
-                       tl.sum(tl.where(m_hit, b_sj[None, :], 0.), axis=1), b_s)
-    b_top = tl.topk(tl.where(m_free, pack(b_s, o_x), KEY_NONE), KS)  # best first
+    if SPLIT_LEAF:
+        # Level 2 with its own beam W2, kept in [WPL]: skipped, all its free nodes 1 .. n_rest;
+        # ranked (shift == LOG_G, children the leaves: lo_c == 0), the best W2 of its free
+        # candidates, all of them (n_leaf of them, best first) when they are at most W2.
+        b_leaf = 1 + tl.arange(0, WPL)
+        n_leaf = n_rest
+        if n_skip < n_walk:
+            o_x, m_x, b_s = _level_scores(b_qa, b_qb, m_row, b_rest, n_rest, cur, shift,
+                                          p_sh + lo_c.to(tl.int64) * s_sn,
+                                          p_lh + lo_c.to(tl.int64) * s_sn, s_sn, scale, LOG_C,
+                                          G_BR, LOG_G, D, WP, BOUND, F32_PREC, CHILD_STAGES)
+            b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WPL)
+            b_leaf = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
+            n_leaf = tl.minimum(tl.sum(m_x.to(tl.int32)), W2)
+        b_top = _leaf_top(b_q, m_row, b_leaf, n_leaf, cur, p_kh, s_kt, scale, C, G_BR, D, ROWS,
+                          WPL, KS, F32_PREC, LEAF_STAGES)
+    else:
+        b_top = _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, s_kt, scale, C, G_BR, D, ROWS,
+                          WP, KS, F32_PREC, LEAF_STAGES)
 
     # The selected blocks, ascending; at most SLOTS entries are used.
     b_row, _ = selection_row(tl.full([1], 0, tl.int32) + cur, b_top[None, :], TOPK, IN_BUDGET, SP)
@@ -324,9 +421,9 @@ def _check_supported(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torc
                          f"got {q.shape[2] // k_cache.shape[2]}")
     if q.shape[-1] not in _HEAD_DIMS:
         raise ValueError(f"decode_triton supports head dims {_HEAD_DIMS}, got {q.shape[-1]}")
-    if cfg.scorer != "lse":
-        raise ValueError(f"decode_triton supports scorer='lse' only, got {cfg.scorer!r} "
-                         "(use backend='torch' for the ablation scorers)")
+    if cfg.scorer not in ("lse", "bound"):
+        raise ValueError(f"decode_triton supports scorer='lse' and 'bound' only, got "
+                         f"{cfg.scorer!r} (use backend='torch' for the ablation scorers)")
     if cfg.selector != "pyramid":
         raise ValueError(f"decode_triton supports selector='pyramid' only, got {cfg.selector!r} "
                          "(use backend='torch' for the flat selectors)")
@@ -346,12 +443,39 @@ def _check_supported(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torc
                          f"{num_warps!r}")
     if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
         raise ValueError(f"num_stages must be a positive int or None, got {num_stages!r}")
-    if cfg.beam < 1:
-        raise ValueError(f"decode_triton needs beam >= 1, got {cfg.beam}")
+    if cfg.beam < 1 or cfg.beam_at(2) < 1:
+        raise ValueError(f"decode_triton needs beam >= 1 and beam_leaf >= 1, got beam="
+                         f"{cfg.beam}, beam_leaf={cfg.beam_leaf}")
+
+
+def beam_widths(cfg: SelectConfig, n_leaves: int) -> tuple[int, int, int, int]:
+    """``(W, WP, W2, WPL)``: the beam above level 2 and at level 2 (``beam_leaf``), each capped
+    at the leaf count (no level has more candidates, so the cap changes no selection), and their
+    register widths: ``WP`` for the levels above (>= 4: the candidates' 4 forced-parent slots, and
+    >= 16 candidate columns), ``WPL`` for level 2, at most the ``2 * g * WP`` candidates a level
+    holds (every level-2 node the leaf stage may take fits it: ``PISA_SPEC.md`` §11 and
+    ``select.triton._beam_geometry``). ``WPL == WP`` when ``W2 == W`` (``beam_leaf`` None or
+    ``beam``): the kernel of a single beam. ``ValueError`` for widths whose register tiles
+    (``2 * g * WP`` candidates of a level, ``2 * g * WPL`` of the leaf stage) pass 1024."""
+    g = cfg.branching
+    W = min(cfg.beam, n_leaves)
+    WP = max(pow2(W), 4)  # candidates' 4 forced-parent slots (and >= 16 candidate columns)
+    if 2 * g * WP > 1024:
+        raise ValueError(f"beam={cfg.beam} is too wide for the Triton decode kernel at "
+                         f"branching={g}: use beam <= {512 // g}")
+    W2 = min(cfg.beam_at(2), n_leaves)
+    if W2 == W:
+        return W, WP, W, WP
+    WPL = max(4, min(pow2(W2), 2 * g * WP))
+    if 2 * g * WPL > 1024:
+        raise ValueError(f"beam_leaf={cfg.beam_leaf} is too wide for the Triton decode kernel "
+                         f"at branching={g}: use beam_leaf <= {512 // g}")
+    return W, WP, W2, WPL
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, *,
+                  mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None,
                   num_splits: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, return_block_idx: bool = False):
     """One decode step (selection and attention) with one fused Triton kernel (inputs checked by
@@ -364,8 +488,12 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         sums: (batch, N_total, nheads_k, headdim) fp32, the pyramid key sums of the cache
             (``pisa.ops.decode.kvcache`` layout, geometry of ``max_seqlen``).
         cache_seqlens: (batch,) int32, valid keys per sequence including the current token.
-        cfg: resolved ``SelectConfig`` (``selector="pyramid"``, ``scorer="lse"``, ``branching``
-            2 or 4, ``block_size`` 16..128, ``beam >= 1``).
+        cfg: resolved ``SelectConfig`` (``selector="pyramid"``, ``scorer`` "lse" or "bound",
+            ``branching`` 2 or 4, ``block_size`` 16..128, ``beam >= 1``, any ``beam_leaf`` up to
+            ``512 / g``). ``query_tile`` and ``tile_reduce`` play no part: one token.
+        mins, maxs: (batch, N_total, nheads_k, headdim) fp32, the cache's key bounds in the layout
+            of ``sums`` (``+inf`` / ``-inf`` past each sequence); ``scorer="bound"`` needs them,
+            the other scorers ignore them.
         num_splits: programs per (sequence, KV head) sharing the attention over the selected
             blocks (flash-decoding). Default: ``default_num_splits`` (fill the SMs once).
         num_warps: warps per program of the main kernel (a tuning knob; default 8).
@@ -390,11 +518,15 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     G, C, g = HQ // HKV, cfg.block_size, cfg.branching
     offsets = level_offsets(T_max, C, g)
     n_levels, n_leaves = len(offsets) - 1, offsets[1]
-    W = min(cfg.beam, n_leaves)  # no level has more candidates than leaves
-    WP = max(pow2(W), 4)  # candidates' 4 forced-parent slots (and >= 16 candidate columns)
-    if 2 * g * WP > 1024:
-        raise ValueError(f"beam={cfg.beam} is too wide for the Triton decode kernel at "
-                         f"branching={g}: use beam <= {512 // g}")
+    W, WP, W2, WPL = beam_widths(cfg, n_leaves)
+    bound = cfg.scorer == "bound"
+    if bound and (mins is None or maxs is None):
+        raise ValueError("scorer='bound' needs the cache's key bounds mins and maxs")
+    if bound and any(x.shape != sums.shape or x.dtype != sums.dtype or x.stride() != sums.stride()
+                     for x in (mins, maxs)):
+        raise ValueError("mins and maxs must have the shape, dtype and strides of sums")
+    if not bound:
+        mins = maxs = sums  # unused pointers
     slots = cfg.slots
     splits = min(num_splits or default_num_splits(B, HKV, slots, q.device), slots)
     kps = cdiv(slots, splits)
@@ -420,19 +552,20 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     es = k_cache.element_size()
     stages = num_stages or _NUM_STAGES
     _decode_kernel[(B, HKV, splits)](
-        q, k_cache, v_cache, sums, cache_seqlens, out, out_lse, block_idx,
+        q, k_cache, v_cache, sums, mins, maxs, cache_seqlens, out, out_lse, block_idx,
         T_max, n_leaves, max(n_levels - 2, 0), cfg.scale, cfg.scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3],
         *v_cache.stride()[:3], sums.stride(0), sums.stride(1), sums.stride(2),
         *o_strides, *l_strides, block_idx.stride(0), block_idx.stride(2),
         G=G, ROWS=max(pow2(G), _MIN_ROWS), D=D, C=C, LOG_C=C.bit_length() - 1, G_BR=g,
-        LOG_G=g.bit_length() - 1, W=W, WP=WP,
-        KS=min(2 * g * WP, pow2(cfg.topk)), TOPK=cfg.topk, IN_BUDGET=cfg.forced_in_budget,
+        LOG_G=g.bit_length() - 1, W=W, WP=WP, W2=W2, WPL=WPL, BOUND=bound,
+        KS=min(2 * g * WPL, pow2(cfg.topk)), TOPK=cfg.topk, IN_BUDGET=cfg.forced_in_budget,
         SLOTS=slots, SP=pow2(slots), KPS=kps, WRITE_IDX=return_block_idx,
         F32_PREC=F32_PRECISION,
-        # tiles: a level's candidates' fp32 child sums, a parent's leaf keys, a block's K and V
-        CHILD_STAGES=_stages(stages, 2 * g * WP * D * 4, g),
-        LEAF_STAGES=_stages(stages, g * C * D * es, WP + 3),
+        # tiles: a level's candidates' fp32 child sums (maxs and mins: two), a parent's leaf
+        # keys, a block's K and V
+        CHILD_STAGES=_stages(stages, 2 * g * WP * D * 4 * (2 if bound else 1), g),
+        LEAF_STAGES=_stages(stages, g * C * D * es, WPL + 3),
         ATTN_STAGES=_stages(stages, 2 * C * D * es, kps),
         num_warps=num_warps or _NUM_WARPS, num_stages=stages)
     if splits > 1:

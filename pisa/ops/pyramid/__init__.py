@@ -9,7 +9,7 @@ each node (the ragged tail makes the last node of each level smaller). Sums are
 per-channel min and max of every node's keys.
 
 Implementations: ``naive.naive_pyramid`` (fp64 loops, the oracle),
-``torch_backend.build_pyramid_torch``, ``triton.build_pyramid_triton`` (no bounds yet);
+``torch_backend.build_pyramid_torch``, ``triton.build_pyramid_triton``;
 ``build_pyramid`` dispatches on a resolved backend.
 """
 from __future__ import annotations
@@ -24,12 +24,9 @@ __all__ = ["Pyramid", "build_pyramid"]
 def build_pyramid(k: torch.Tensor, block_size: int, branching: int, backend: str,
                   bounds: bool = False) -> Pyramid:
     """The pyramid of ``k [B, T, HKV, D]`` with the ``"triton"`` kernels or in ``"torch"``; with
-    ``bounds``, also every node's per-channel key ``mins`` / ``maxs`` (torch only)."""
+    ``bounds``, also every node's per-channel key ``mins`` / ``maxs``."""
     if backend == "triton":
-        if bounds:
-            raise ValueError("pyramid bounds (scorer='bound') are not yet supported by the "
-                             "triton backend")
         from .triton import build_pyramid_triton
-        return build_pyramid_triton(k, block_size, branching)
+        return build_pyramid_triton(k, block_size, branching, bounds)
     from .torch_backend import build_pyramid_torch
     return build_pyramid_torch(k, block_size, branching, bounds)

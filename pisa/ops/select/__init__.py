@@ -10,6 +10,7 @@ per token; ``tiles_to_tokens`` expands it to per-token rows.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -22,29 +23,28 @@ from ..utils.geometry import cdiv, level_offsets
 
 def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | None):
     from .flat import select_flat_triton
-    from .triton import check_pyramid, select_pyramid_triton
+    from .triton import beam_geometry, check_pyramid, select_pyramid_triton
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"backend='triton' needs fp16/bf16/fp32 q and k, got {q.dtype}")
-    # selection v2 (PISA_SPEC.md §11) runs in the torch and naive backends only so far
-    if cfg.query_tile > 1:
-        raise ValueError(f"query_tile > 1 (got {cfg.query_tile}) is not yet supported by the "
-                         "triton backend")
-    if cfg.selector == "pyramid" and cfg.scorer == "bound":
-        raise ValueError("bound scorer is not yet supported by the triton backend")
-    if cfg.selector == "pyramid" and cfg.beam_at(2) != cfg.beam:
-        raise ValueError(f"beam_leaf != beam (got {cfg.beam_leaf} and {cfg.beam}) is not yet "
-                         "supported by the triton backend")
-    # A beam as wide as the leaf count prunes nothing: the walk reduces to the flat scan of the
+    if cfg.query_tile == 1 and cfg.tile_reduce != "sum":
+        # one-token tiles: every reduction is the token's own score (the same kernels)
+        cfg = dataclasses.replace(cfg, tile_reduce="sum")
+    # Beams as wide as the leaf count prune nothing: the walk reduces to the flat scan of the
     # leaf scores (and candidate tiles that wide would not fit the walk kernel).
-    walk = cfg.selector == "pyramid" and cfg.beam < cdiv(k.shape[1], cfg.block_size)
+    n_leaves = cdiv(k.shape[1], cfg.block_size)
+    walk = cfg.selector == "pyramid" and min(cfg.beam, cfg.beam_at(2)) < n_leaves
+    bound = walk and cfg.scorer == "bound"
+    if walk:
+        beam_geometry(cfg, k.shape[1])  # a beam too wide for the kernel, before any work
     if pyramid is not None:
         check_pyramid(pyramid, k, cfg)
-    elif walk or cfg.selector == "flat_mean":
-        pyramid = build_pyramid(k, cfg.block_size, cfg.branching, "triton")
+    needs = walk or cfg.selector == "flat_mean"
+    if needs and (pyramid is None or (bound and pyramid.mins is None)):
+        # a caller's pyramid without bounds (the decode cache's) is rebuilt with them
+        pyramid = build_pyramid(k, cfg.block_size, cfg.branching, "triton", bounds=bound)
     if walk:
         return select_pyramid_triton(q, k, cfg, pyramid)
-    return select_flat_triton(q, k, cfg, pyramid, cfg.scorer if cfg.selector == "pyramid"
-                              else "lse")
+    return select_flat_triton(q, k, cfg, pyramid, cfg.leaf_scorer)
 
 
 @torch.library.custom_op("pisa::select", mutates_args=())

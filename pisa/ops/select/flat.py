@@ -1,9 +1,12 @@
 """Flat block selection (Triton): ``selector="flat_lse"`` (exact block LSE of every causal block,
-the mass-optimal oracle PISA approximates) and ``"flat_mean"`` (mean-pooled keys, BSA/MoBA style).
+the mass-optimal oracle PISA approximates) and ``"flat_mean"`` (mean-pooled keys, BSA/MoBA style),
+per query token or per query tile (``query_tile``).
 
-A program per (tile of queries, KV head, batch) streams over the causal blocks with
-``[tile * G, D] x [D, blocks]`` dots and keeps each query's top-K online in registers; no score
-matrix ever reaches memory. Semantics are those of ``naive.naive_select``.
+A program per (group of query tiles, KV head, batch) streams over the causal blocks with
+``[rows, D] x [D, blocks]`` dots and keeps each tile's top-K online in registers; no score
+matrix ever reaches memory. A tile's rows are its tokens' ``Qt * G`` query rows, their per-token
+scores folded by ``tile_reduce``, or (``"qmean"``) its ``G`` mean queries, computed in the
+prologue. Semantics are those of ``naive.naive_select``.
 """
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ import triton
 import triton.language as tl
 
 from ..pyramid import Pyramid
-from ..utils.config import SelectConfig
+from ..utils.config import SelectConfig, n_query_tiles
 from ..utils.geometry import cdiv, pow2
-from ..utils.op import (F32_PRECISION, KEY_NONE, dot_nt, dot_nt_f32, empty, key_scores,
-                        load_queries, pack, selection_row, store_selection, token_sums)
-from .triton import SCORER_ID
+from ..utils.op import (F32_PRECISION, KEY_NONE, dot_nt_f32, empty, key_scores, pack,
+                        selection_row, store_selection, token_sums)
+from .triton import (REDUCE_ID, SCORER_ID, key_logits, mean_rows, rows_at, split_rows,
+                     tile_token_scores)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -26,34 +30,55 @@ from .triton import SCORER_ID
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
 # each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
 # 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too;
-# the selection outputs' batch strides (Tq * HKV * slots) follow the length, so are not specialised
-@triton.jit(do_not_specialize=["Tq", "Tk", "s_ib", "s_cb"])
+# the selection outputs' batch strides (n_tiles * HKV * slots) follow the length, so are not
+# specialised
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "s_ib", "s_cb"])
 def _flat_select_kernel(
-        p_q, p_k, p_means, p_idx, p_cnt, Tq, Tk, scale,
+        p_q, p_k, p_means, p_idx, p_cnt, Tq, Tk, n_tiles, tile0, scale,
         s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_mb: tl.int64, s_mn, s_mh,
         s_ib: tl.int64, s_it, s_ih, s_cb: tl.int64, s_ct,
-        G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        C: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, LB: tl.constexpr,
-        TOPK: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, IN_BUDGET: tl.constexpr,
-        FROM_KEYS: tl.constexpr, SCORER: tl.constexpr, F32_PREC: tl.constexpr):
-    """Flat top-K over every free block ``[1, cur - 2]`` of the ``BT`` queries of tile ``i_t``.
+        G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, QT: tl.constexpr,
+        QR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr, KP: tl.constexpr,
+        NB: tl.constexpr, LB: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
+        SP: tl.constexpr, IN_BUDGET: tl.constexpr, FROM_KEYS: tl.constexpr,
+        SCORER: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr, QLO: tl.constexpr,
+        F32_PREC: tl.constexpr):
+    """Flat top-K over every free block ``[1, cur - 2]`` of the ``BT`` tiles (selection rows) of
+    program ``i_t``: absolute tiles ``tile0 + i_t * BT ..`` of ``QT`` positions (``QT = 1``: query
+    tokens). A tile's rows: ``QR = QT`` tokens of ``GP`` heads (positions that are no query are
+    zero rows), or with ``MEAN`` (``QR = 1``) its per-head mean queries (16-bit head and residual
+    rows when ``QLO``).
 
     Blocks stream in chunks of ``NB``: ``FROM_KEYS`` scores a chunk from its keys (``LB`` blocks per
     dot; ``SCORER`` as in ``key_scores``: lse is flat_lse), otherwise by ``scale * q . mean`` of
-    the leaf means (flat_mean, one dot per chunk). Each token keeps its best ``KP`` keys, sorted
-    descending, in ``b_top [BT, KP]``; a chunk that beats some token's ``KP``-th best is merged by
-    two ``tl.topk`` (its own best ``KP``, then the best ``KP`` of both lists).
+    the leaf means (flat_mean, one dot per chunk); per-token scores fold into the tile's
+    (``tile_token_scores``). Each tile keeps its best ``KP`` keys, sorted descending, in
+    ``b_top [BT, KP]``; a chunk that beats some tile's ``KP``-th best is merged by two ``tl.topk``
+    (its own best ``KP``, then the best ``KP`` of both lists).
     """
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     t0 = i_t * BT
-    b_q, m_row = load_queries(p_q, i_b, i_h, t0, Tq, s_qb, s_qt, s_qh, G, GP, BT, D, DP)
+    BQ: tl.constexpr = BT * QR  # row tokens
+    # rows: (tile, token, head); a row's query index (QT = 1: t0 + its tile)
+    o_m = tl.arange(0, BQ * GP)
+    o_mi = o_m // (QR * GP)
+    o_mh = o_m % GP
+    o_tok = (tile0 + t0 + o_mi) * QT + (o_m // GP) % QR - (Tk - Tq)
+    m_row = (o_mh < G) & (t0 + o_mi < n_tiles)
+    p_qh = p_q + i_b.to(tl.int64) * s_qb + (i_h * G) * s_qh
+    if MEAN:
+        b_q, b_ql = split_rows(mean_rows(p_qh, s_qt, s_qh, o_tok, o_mh, m_row, Tq, QT, D, DP),
+                               p_q.dtype.element_ty)
+    else:
+        m_row = m_row & (o_tok >= 0) & (o_tok < Tq)
+        b_q, b_ql = rows_at(p_qh, s_qt, s_qh, o_tok, o_mh, m_row, D, DP, 0)
     o_d = tl.arange(0, DP)
     m_d = o_d < D
 
     o_bt = tl.arange(0, BT)
-    m_tok = t0 + o_bt < Tq
-    cur = (Tk - Tq + t0 + o_bt) // C
-    c1 = (Tk - Tq + tl.minimum(t0 + BT, Tq) - 1) // C
+    m_tok = t0 + o_bt < n_tiles
+    cur = ((tile0 + t0 + o_bt) * QT) // C
+    c1 = ((tile0 + tl.minimum(t0 + BT, n_tiles) - 1) * QT) // C
     p_kh = p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh
     p_mh = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh
 
@@ -65,23 +90,29 @@ def _flat_select_kernel(
     for b0 in range(1, c1 - 1, NB):
         o_blk = b0 + o_nb
         if FROM_KEYS:
-            b_s = tl.zeros([BT, NB], dtype=tl.float32)
+            b_s = tl.zeros([BQ, NB], dtype=tl.float32)
             n_blk = tl.minimum(NB, c1 - 1 - b0)
             for j in range(0, (n_blk + LB - 1) // LB):
                 o_key = (b0 + j * LB) * C + o_lb
                 p_kj = p_kh + o_key.to(tl.int64)[:, None] * s_kt + o_d[None, :]
                 b_k = tl.load(p_kj, mask=(o_key < (c1 - 1) * C)[:, None] & m_d[None, :], other=0.)
-                b_z = tl.reshape(dot_nt(b_q, b_k, F32_PREC) * scale, [BT * GP, LB, C])
+                b_z = tl.reshape(key_logits(b_q, b_ql, b_k, QLO, F32_PREC) * scale,
+                                 [BQ * GP, LB, C])
                 # Every key counts: free blocks are complete and in the past.
                 b_sj = token_sums(key_scores(b_z, o_c[None, None, :] < C, C, SCORER), m_row,
-                                  BT, GP)  # [BT, LB]
-                b_s3 = tl.reshape(b_s, [BT, NB // LB, LB])
+                                  BQ, GP)  # [BQ, LB]
+                b_s3 = tl.reshape(b_s, [BQ, NB // LB, LB])
                 b_s3 = tl.where((o_j == j)[None, :, None], b_sj[:, None, :], b_s3)
-                b_s = tl.reshape(b_s3, [BT, NB])
+                b_s = tl.reshape(b_s3, [BQ, NB])
         else:
             p_mj = p_mh + o_blk.to(tl.int64)[:, None] * s_mn + o_d[None, :]
             b_m = tl.load(p_mj, mask=(o_blk <= c1 - 2)[:, None] & m_d[None, :], other=0.)
-            b_s = token_sums(dot_nt_f32(b_q, b_m, F32_PREC) * scale, m_row, BT, GP)
+            b_z = dot_nt_f32(b_q, b_m, F32_PREC)
+            if QLO:
+                b_z += dot_nt_f32(b_ql, b_m, F32_PREC)
+            b_s = token_sums(b_z * scale, m_row, BQ, GP)
+        if QR > 1:
+            b_s = tile_token_scores(b_s, m_row, BT, QR, GP, REDUCE)  # [BT, NB]
         m_free = (o_blk[None, :] <= cur[:, None] - 2) & m_tok[:, None]
         b_key = tl.where(m_free, pack(b_s, o_blk[None, :]), KEY_NONE)
         if tl.sum((tl.max(b_key, axis=1) > tl.min(b_top, axis=1)).to(tl.int32)) > 0:
@@ -99,35 +130,43 @@ def _flat_select_kernel(
 
 def select_flat_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
                        pyramid: Pyramid | None, scorer: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat top-K selection: ``flat_mean`` (``cfg.selector``) scores each block by its leaf mean in
-    ``pyramid``; otherwise blocks are scored from their keys by ``scorer`` (``"lse"``: flat_lse; a
-    pyramid whose beam covers every block also lands here with its leaf scorer). Returns
-    ``block_idx [B, Tq, HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and
-    ``counts [B, Tq, HKV] int32``."""
+    """Flat top-K selection per query tile (``cfg.query_tile`` tokens, one by default):
+    ``flat_mean`` (``cfg.selector``) scores each block by its leaf mean in ``pyramid``; otherwise
+    blocks are scored from their keys by ``scorer`` (``"lse"``: flat_lse; a pyramid whose beams
+    cover every block also lands here with its leaf scorer). Returns ``block_idx [B, n_tiles,
+    HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and ``counts [B, n_tiles, HKV] int32``
+    (``n_tiles = n_query_tiles(Tq, Tk, cfg.query_tile)``, ``Tq`` for per-token selection)."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
-    G, C = HQ // HKV, cfg.block_size
+    G, C, Qt = HQ // HKV, cfg.block_size, cfg.query_tile
+    n_tiles = n_query_tiles(Tq, Tk, Qt)
+    mean = Qt > 1 and cfg.tile_reduce == "qmean"
+    QR = 1 if mean else Qt  # row tokens a tile
     GP = pow2(G)
-    # Default: 128 query rows (8 warps of 16-row MMA tiles sharing each key load), <= 16 tokens.
-    BT = max(1, min(16, 128 // GP))
-    GP = max(GP, cdiv(16, BT))  # BT * GP >= 16 rows for tl.dot
+    # Default: 128 query rows (8 warps of 16-row MMA tiles sharing each key load), <= 16 tiles.
+    BT = max(1, min(16, 128 // (QR * GP)))
+    GP = max(GP, cdiv(16, BT * QR))  # BT * QR * GP >= 16 rows for tl.dot
     KP = max(16, pow2(cfg.topk))
     NB = max(KP, 64)  # blocks per chunk (per top-K merge)
-    LB = min(NB, max(1, 128 // C))  # blocks per key load: LB * C rows
+    # blocks per key load: LB * C rows, fewer when the [rows, LB * C] fp32 logits would pass 16K
+    rows = BT * QR * GP
+    LB = min(NB, max(1, 128 // C), 1 << max(0, (16384 // (rows * C)).bit_length() - 1))
     means = pyramid.means if pyramid is not None else q.new_empty(1, 1, 1, 1, dtype=torch.float32)
-    block_idx = empty(B, Tq, HKV, cfg.slots, dtype=torch.int32, device=q.device)
-    counts = empty(B, Tq, HKV, dtype=torch.int32, device=q.device)
-    if B * Tq * HKV == 0:
+    block_idx = empty(B, n_tiles, HKV, cfg.slots, dtype=torch.int32, device=q.device)
+    counts = empty(B, n_tiles, HKV, dtype=torch.int32, device=q.device)
+    if B * n_tiles * HKV == 0:
         return block_idx, counts
-    grid = (cdiv(Tq, BT), HKV, B)
+    grid = (cdiv(n_tiles, BT), HKV, B)
     _flat_select_kernel[grid](
-        q, k, means, block_idx, counts, Tq, Tk, cfg.scale,
+        q, k, means, block_idx, counts, Tq, Tk, n_tiles, (Tk - Tq) // Qt, cfg.scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         means.stride(0), means.stride(1), means.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
         counts.stride(0), counts.stride(1),
-        G=G, GP=GP, BT=BT, D=D, DP=max(16, pow2(D)), C=C, KP=KP, NB=NB, LB=LB,
+        G=G, GP=GP, BT=BT, QT=Qt, QR=QR, D=D, DP=max(16, pow2(D)), C=C, KP=KP, NB=NB, LB=LB,
         TOPK=cfg.topk, SLOTS=cfg.slots, SP=pow2(cfg.slots), IN_BUDGET=cfg.forced_in_budget,
         FROM_KEYS=cfg.selector != "flat_mean", SCORER=SCORER_ID[scorer],
-        F32_PREC=F32_PRECISION, num_warps=8, num_stages=3)
+        REDUCE=REDUCE_ID[cfg.tile_reduce] if QR > 1 else 0, MEAN=mean,
+        QLO=mean and q.dtype != torch.float32, F32_PREC=F32_PRECISION, num_warps=8,
+        num_stages=3)
     return block_idx, counts

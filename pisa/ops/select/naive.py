@@ -25,7 +25,9 @@ Conventions shared with every backend
                 scale): ``z_r`` bounds ``s q . k`` over the keys of ``r``, so the score bounds
                 the exact LSE of the node's keys from above; leaves take their exact LSE
   The GQA group's score is the sum of its heads' scores; a tile's score is the sum
-  (``tile_reduce="sum"``) or the log-sum-exp (``"lse"``) of its tokens' group scores.
+  (``tile_reduce="sum"``) or the log-sum-exp (``"lse"``) of its tokens' group scores, or
+  (``"qmean"``) the group score of one virtual token: the tile's per-head mean query over its
+  real tokens.
 - Ties between scores go to the lower block index.
 """
 from __future__ import annotations
@@ -52,8 +54,9 @@ def naive_score(z: torch.Tensor, n: torch.Tensor, scorer: str) -> torch.Tensor:
 
 
 def reduce_tokens(per_token: torch.Tensor, tile_reduce: str) -> float:
-    """A tile's score from its tokens' group scores ``per_token [n_tok]`` fp64."""
-    return float(per_token.sum() if tile_reduce == "sum" else torch.logsumexp(per_token, 0))
+    """A tile's score from its tokens' group scores ``per_token [n_tok]`` fp64 (``"qmean"``: the
+    one score of the mean query)."""
+    return float(torch.logsumexp(per_token, 0) if tile_reduce == "lse" else per_token.sum())
 
 
 def naive_tile_score(z: torch.Tensor, n: torch.Tensor, scorer: str, tile_reduce: str) -> float:
@@ -131,6 +134,8 @@ def naive_select(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig):
                 tile = t0 // Qt + j
                 lo, hi = max(tile * Qt, t0), min((tile + 1) * Qt, Tk)  # its query positions
                 qt = q[b, lo - t0:hi - t0, h * G:(h + 1) * G].double()  # [n_tok, G, D]
+                if cfg.tile_reduce == "qmean":  # one virtual token: the mean query per head
+                    qt = qt.mean(0, keepdim=True)
                 t_ref = hi - 1  # any position of the tile's block gives the same causality
                 forced = forced_leaves(t_ref, C)
                 if cfg.selector == "pyramid":

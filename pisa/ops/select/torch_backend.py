@@ -10,7 +10,8 @@ query tokens rather than once per tile (IO per token drops from ``C·D`` to abou
 
 Layout of the scaled queries: ``qs [B, Tc, H, Qt, G, D]`` (a tile's tokens, then the heads of the
 group); the decode step's per-token ``[B, Tc, H, G, D]`` is accepted as ``Qt = 1``. Per-token
-group scores ``[..., Qt]`` reduce to a tile's score by ``reduce_tokens``.
+group scores ``[..., Qt]`` reduce to a tile's score by ``reduce_tokens``; ``tile_reduce="qmean"``
+tiles hold one token, their per-head mean query (``_tile_queries``).
 """
 from __future__ import annotations
 
@@ -60,9 +61,9 @@ def group_score(z: torch.Tensor, weight: torch.Tensor, scorer: str,
 
 def reduce_tokens(score: torch.Tensor, ok: torch.Tensor | None, tile_reduce: str) -> torch.Tensor:
     """A tile's score from its tokens' group scores ``score [..., Qt]``: their sum or log-sum-exp
-    (``tile_reduce``) over the tokens where ``ok`` (broadcastable bool; ``None``: all) holds.
-    Consumes ``score``."""
-    if tile_reduce == "sum":
+    (``tile_reduce``) over the tokens where ``ok`` (broadcastable bool; ``None``: all) holds
+    (``"qmean"`` tiles hold one token, the mean query: its score). Consumes ``score``."""
+    if tile_reduce != "lse":
         return (score if ok is None else torch.where(ok, score, 0.0)).sum(-1)
     return _logsumexp(score if ok is None else torch.where(ok, score, -math.inf))
 
@@ -248,7 +249,9 @@ def _tile_queries(q: torch.Tensor, n_keys: int, H: int, cfg: SelectConfig, first
                   last: int):
     """The scaled queries of the absolute tiles ``[first, last)`` with ``H`` KV heads:
     ``qs [B, Tc, H, Qt, G, D]`` (zero rows where a tile position is no query), ``tok_ok [Tc, Qt]``
-    (which are queries) and ``t_ref [Tc]`` (each tile's last query position)."""
+    (which are queries) and ``t_ref [Tc]`` (each tile's last query position). With
+    ``tile_reduce="qmean"`` a tile holds one token, its mean query: ``qs [B, Tc, H, 1, G, D]``,
+    ``tok_ok [Tc, 1]``."""
     B, Tq, HQ, D = q.shape
     Qt, t0 = cfg.query_tile, n_keys - Tq
     pos = torch.arange(first * Qt, last * Qt, device=q.device)  # absolute tile positions
@@ -257,7 +260,12 @@ def _tile_queries(q: torch.Tensor, n_keys: int, H: int, cfg: SelectConfig, first
                                    (0, 0, 0, 0, lo - first * Qt, last * Qt - hi))
     qs = rows.view(B, last - first, Qt, H, HQ // H, D).permute(0, 1, 3, 2, 4, 5) * cfg.scale
     tok_ok = ((pos >= t0) & (pos < n_keys)).view(last - first, Qt)
-    return qs, tok_ok, pos.clamp_max(n_keys - 1).view(last - first, Qt)[:, -1]
+    t_ref = pos.clamp_max(n_keys - 1).view(last - first, Qt)[:, -1]
+    if cfg.tile_reduce == "qmean":  # one virtual token a tile: the mean of its real queries
+        n_tok = tok_ok.sum(-1).to(qs.dtype)[None, :, None, None, None, None]
+        qs = qs.sum(3, keepdim=True) / n_tok  # positions that are no query hold zeros
+        tok_ok = tok_ok.any(-1, keepdim=True)
+    return qs, tok_ok, t_ref
 
 
 def _select(q, k, cfg, pyramid):

@@ -1,31 +1,54 @@
-"""Pyramid block selection (Triton): the walk down the pyramid and the exact leaf stage.
+"""Pyramid block selection (Triton): the walk down the pyramid and the exact leaf stage, per query
+token or per query tile (``query_tile``, ``PISA_SPEC.md`` §11).
 
-Semantics are those of ``naive.naive_select`` (the oracle) and ``PISA_SPEC.md`` §3-§4; on random
-inputs the selections equal the oracle's exactly. Three launches and a sort:
+Semantics are those of ``naive.naive_select`` (the oracle) and ``PISA_SPEC.md`` §3-§4, §11; on
+random inputs the selections equal the oracle's exactly. Three launches and a sort, whatever the
+tile (``Qt = 1`` is per-token selection):
 
-1. ``_pyramid_walk_kernel``, a program per (query, KV head): the internal levels (``walk``). The
-   beam lives in registers as the ``W`` kept non-forced nodes of the level above; a level's
-   candidates are their children plus the non-forced, causal children of the forced nodes, whose
-   indices follow from the query position (forced nodes are never carried). The top levels whose
+1. ``_pyramid_walk_kernel``, a program per (tile, KV head): the internal levels (``walk``). The
+   beam lives in registers as the kept non-forced nodes of the level above; a level's candidates
+   are their children plus the non-forced, causal children of the forced nodes, whose indices
+   follow from the tile's block (forced nodes are never carried). The top levels whose
    candidates all fit the beam are not visited (their beam follows from the position). A level
-   with more than ``W`` candidates is scored with ``means @ q^T`` (the 64 candidate rows fill a
-   Hopper warpgroup MMA, the 16 query rows would not), 16-bit head + residual means precomputed
-   per call, folded into a log-sum-exp (or weighted Welford mean / variance) over children,
-   summed over heads; ``tl.topk`` over packed keys keeps ``W``. The kernel writes each query's
-   level-2 parents of its leaf candidates as sort keys (head, chunk of ``LEAF_CHUNK`` queries,
-   parent).
-2. ``utils.csr.sort_by_key`` groups the (query, parent) pairs by key.
+   with more than its beam (``beam`` above level 2, ``beam_leaf`` at level 2) of candidates is
+   scored with ``summaries @ rows^T`` (the 64 candidate rows fill a Hopper warpgroup MMA),
+   16-bit head + residual summaries precomputed per call: the children's means, or for
+   ``scorer="bound"`` their per-channel maxs and mins against the rows split by sign
+   (``(s q)+ . max + (s q)- . min``, two products). Per (candidate, row) the children fold into
+   a log-sum-exp (or weighted Welford mean / variance), the rows into per-token group scores
+   (sum over heads), the tokens into the tile's score (``tile_reduce``: sum or log-sum-exp over
+   its real tokens); ``tl.topk`` over packed keys keeps the beam. A tile's rows are its
+   ``Qt * G`` query rows (token-major, heads padded to >= 16 rows a product), scored in chunks
+   of ``WALK_ROWS`` rows when there are more; with ``tile_reduce="qmean"`` they are the ``G``
+   per-head mean queries over the tile's real tokens, computed here in fp32 and written (16-bit
+   head + residual rows against 16-bit keys) for the leaf stage. The kernel writes each tile's
+   level-2 parents of its leaf candidates as sort keys (head, chunk of tiles, parent).
+2. ``utils.csr.sort_by_key`` groups the (tile, parent) pairs by key.
 3. ``_leaf_groups_kernel``, a program per group: loads the parent's ``g * C`` keys once and scores
-   them against its queries ``PB`` at a time (``[PB * G, D] x [D, g * C]`` dots): per (query,
-   parent) pair ~4 KB of queries move instead of 32 KB of keys.
-4. ``_leaf_topk_kernel`` picks each query's best free leaves and writes its row.
+   them against its tiles' rows, ``PB`` tiles (``PB * rows`` <= 128 rows) a dot or, for tiles of
+   more rows, in chunks of tokens folded by ``tile_reduce``. No causal mask: every free leaf ends
+   before the tile's block.
+4. ``_leaf_topk_kernel`` picks each tile's best free leaves and writes its row.
 
-``walk``, ``candidates``, ``forced_parents`` and ``leaf_key_scores`` are the primitives the fused
-decode kernel (``pisa.ops.decode.triton``) reuses.
+Why two phases rather than one program walking and scoring its tile's leaves: a leaf-stage group
+reads a parent's keys once for all the tiles of a chunk that reached it (about 150 tiles a parent
+at 128K tokens, ``Qt = 16``), where a fused program would read ``(W2 + 3) * g * C`` keys per
+tile from L2 (~0.6 MB a tile and KV head at ``W2 = 16``): with ``qmean`` rows (``G`` a tile) the
+queries a pair moves (8 KB at G=16, D=128, head + residual) are a quarter of the keys it would
+read. With ``sum`` / ``lse`` rows (``Qt * G`` a tile) a pair moves ``Qt * G * D`` query elements,
+more than the parent's keys; those reductions are FLOP-bound anyway (the leaf products cost as
+much as the attention).
 
-Limits: ``W <= 512 / next_pow2(g)`` (a wider beam that covers every block is the flat scan,
-``select.flat``); any ``g >= 2`` (non-powers of two pad to the next one); any ``D <= 256`` and
-``G``. Registers grow with ``next_pow2(g) * next_pow2(W) * D`` (the default g=2, W=16, D=128 fits).
+``candidates``, ``forced_parents`` and ``leaf_key_scores`` are primitives the fused decode kernel
+(``pisa.ops.decode.triton``) reuses; ``rows_at``, ``mean_rows``, ``split_rows``,
+``tile_token_scores`` and ``key_logits`` serve the flat scan (``select.flat``) too.
+
+Limits: ``W <= 512 / next_pow2(g)`` (``W`` the beam above level 2, capped at the leaf count, or
+at the level-3 node count where it would not fit: ``beam_geometry``; beams that cover every
+block are the flat scan, ``select.flat``); any ``beam_leaf``; any ``g >= 2`` (non-powers of two
+pad to the next one); any ``D <= 256`` and ``G``. Registers grow with
+``next_pow2(g) * next_pow2(W) * D`` (the default g=2, W=16, D=128 fits; compiled for sm_90 the
+walk takes 150 registers a thread per token, 198 for ``qmean`` tiles, no spills).
 """
 from __future__ import annotations
 
@@ -34,17 +57,154 @@ import triton
 import triton.language as tl
 
 from ..pyramid import Pyramid
-from ..utils.config import SelectConfig
+from ..utils.config import SelectConfig, n_query_tiles
 from ..utils.csr import sort_by_key
 from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.op import (F32_PRECISION, KEY_NONE, device_offsets, dot_nt, empty, key_scores,
-                        load_queries, pack, selection_row, store_selection, token_sums,
-                        unpack_idx)
+                        pack, selection_row, store_selection, token_sums, unpack_idx)
 
 SCORER_ID = {"lse": 0, "mean": 1, "meanvar": 2}
-# Queries whose (query, parent) pairs share one leaf-stage grid row: chunks keep a group's
-# queries close in memory (cache locality of their gathered rows).
+# Tile reductions in the kernels: a sum or a log-sum-exp over the tile's tokens ("qmean" tiles
+# hold one virtual token, so their reduction is the sum of one).
+REDUCE_ID = {"sum": 0, "lse": 1, "qmean": 0}
+# Query tokens (of tiles: rows of query tokens) whose (tile, parent) pairs share one leaf-stage
+# grid row: chunks keep a group's rows close in memory (cache locality of their gathered rows).
 LEAF_CHUNK = 4096
+# Query rows the walk scores in one product: a tile with more (Qt * G > 64, sum / lse) is scored
+# in chunks of whole tokens, each level's [candidates, rows] fp32 tiles staying ~32 registers a
+# thread at 4 warps.
+WALK_ROWS = 64
+
+
+# ------------------------------------------------------------------------------------------------
+# Query rows (shared with the flat scan)
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def rows_at(p_rh, s_rt, s_rh, o_tok, o_head, m_row, D: tl.constexpr, DP: tl.constexpr,
+            LO_R: tl.constexpr):
+    """Query rows ``[R, DP]``: row ``r`` is token ``o_tok[r]``, head ``o_head[r]`` (from ``p_rh``,
+    a group's first head; 64-bit offsets), zeros outside ``m_row`` and past ``D``; and the rows'
+    16-bit residuals ``LO_R`` elements on when ``LO_R > 0`` (else the rows again)."""
+    o_d = tl.arange(0, DP)
+    p = p_rh + o_tok.to(tl.int64)[:, None] * s_rt + o_head.to(tl.int64)[:, None] * s_rh \
+        + o_d[None, :]
+    m = m_row[:, None] & (o_d < D)[None, :]
+    b_q = tl.load(p, mask=m, other=0.)
+    b_ql = b_q
+    if LO_R > 0:
+        b_ql = tl.load(p + LO_R, mask=m, other=0.)
+    return b_q, b_ql
+
+
+@triton.jit
+def tile_rows(p_rh, s_rt, s_rh, r_lo, r_hi, G: tl.constexpr, GP: tl.constexpr,
+              TB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, LO_R: tl.constexpr):
+    """The rows ``[TB * GP, DP]`` of tokens ``r_lo .. r_lo + TB`` (row ``i * GP + h``: head ``h`` of
+    token ``r_lo + i``; tokens from ``r_hi`` on and heads from ``G`` on are zero), their residuals
+    (``rows_at``) and which rows are real."""
+    o_m = tl.arange(0, TB * GP)
+    o_t = r_lo + o_m // GP
+    o_h = o_m % GP
+    m_row = (o_h < G) & (o_t < r_hi)
+    b_q, b_ql = rows_at(p_rh, s_rt, s_rh, o_t, o_h, m_row, D, DP, LO_R)
+    return b_q, b_ql, m_row
+
+
+@triton.jit
+def mean_rows(p_rh, s_rt, s_rh, o_tok0, o_head, m_row, Tq, QT: tl.constexpr, D: tl.constexpr,
+              DP: tl.constexpr):
+    """``[R, DP]`` fp32: per row ``r`` the mean of head ``o_head[r]`` over the real query tokens
+    (``[0, Tq)``) among ``o_tok0[r] .. o_tok0[r] + QT`` (a tile's positions; zero rows outside
+    ``m_row``)."""
+    R: tl.constexpr = o_tok0.shape[0]
+    b_acc = tl.zeros([R, DP], dtype=tl.float32)
+    b_n = tl.zeros([R], dtype=tl.float32)
+    for t in range(0, QT):
+        o_t = o_tok0 + t
+        m_t = m_row & (o_t >= 0) & (o_t < Tq)
+        b_x, _ = rows_at(p_rh, s_rt, s_rh, o_t, o_head, m_t, D, DP, 0)
+        b_acc += b_x.to(tl.float32)
+        b_n += m_t.to(tl.float32)
+    return b_acc / tl.maximum(b_n, 1.)[:, None]
+
+
+@triton.jit
+def split_rows(b_x, DTYPE: tl.constexpr):
+    """fp32 rows as ``DTYPE`` rows and their ``DTYPE`` residuals: against 16-bit keys two
+    exact-product dots (~16 mantissa bits of the rows) instead of one rounding (fp32: the rows
+    and zeros, the residuals unused)."""
+    b_hi = b_x.to(DTYPE)
+    b_lo = (b_x - b_hi.to(tl.float32)).to(DTYPE)
+    return b_hi, b_lo
+
+
+@triton.jit
+def key_logits(b_q, b_ql, b_k, QLO: tl.constexpr, F32_PREC: tl.constexpr):
+    """``[M, N]`` fp32: rows ``b_q [M, DP]`` (plus their residuals ``b_ql`` when ``QLO``) dotted
+    with keys ``b_k [N, DP]`` of their dtype."""
+    b_z = dot_nt(b_q, b_k, F32_PREC)
+    if QLO:
+        b_z += dot_nt(b_ql, b_k, F32_PREC)
+    return b_z
+
+
+@triton.jit
+def logaddexp(b_a, b_b):
+    """``log(exp(a) + exp(b))`` elementwise, ``-inf`` when both are."""
+    b_m = tl.maximum(b_a, b_b)
+    b_sh = tl.where(b_m == float("-inf"), 0., b_m)
+    return b_sh + tl.log(tl.exp(b_a - b_sh) + tl.exp(b_b - b_sh))
+
+
+@triton.jit
+def fold_tokens(b_x, m_tok, AXIS: tl.constexpr, REDUCE: tl.constexpr):
+    """A tile's score from its tokens' group scores ``b_x`` along ``AXIS``: their sum
+    (``REDUCE == 0``) or log-sum-exp (1) over the real tokens ``m_tok`` (broadcast against
+    ``b_x``; -inf when there are none, for log-sum-exp)."""
+    if REDUCE == 0:
+        b_s = tl.sum(tl.where(m_tok, b_x, 0.), axis=AXIS)
+    else:
+        b_x = tl.where(m_tok, b_x, float("-inf"))
+        b_m = tl.max(b_x, axis=AXIS)
+        b_sh = tl.where(b_m == float("-inf"), 0., b_m)
+        b_s = b_sh + tl.log(tl.sum(tl.exp(b_x - tl.expand_dims(b_sh, AXIS)), axis=AXIS))
+    return b_s
+
+
+@triton.jit
+def fold_chunks(b_acc, b_x, REDUCE: tl.constexpr):
+    """Two partial tile scores (``fold_tokens`` of disjoint token chunks) as one."""
+    if REDUCE == 0:
+        b_s = b_acc + b_x
+    else:
+        b_s = logaddexp(b_acc, b_x)
+    return b_s
+
+
+@triton.jit
+def token_mask(m_row, NT: tl.constexpr, GP: tl.constexpr):
+    """``[NT]``: which of the ``NT`` tokens of rows ``m_row [NT * GP]`` (token-major) has a real
+    row."""
+    return tl.max(tl.reshape(m_row.to(tl.int32), [NT, GP]), axis=1) > 0
+
+
+@triton.jit
+def tile_token_scores(b_tok, m_row, NT: tl.constexpr, QR: tl.constexpr, GP: tl.constexpr,
+                      REDUCE: tl.constexpr):
+    """Per-token group scores ``b_tok [NT * QR, N]`` (``NT`` tiles of ``QR`` row tokens, rows
+    ``m_row [NT * QR * GP]``) as ``[NT, N]`` tile scores (``fold_tokens``). ``QR == 1``: the scores
+    themselves, -inf for a token without rows under log-sum-exp."""
+    N: tl.constexpr = b_tok.shape[1]
+    m_tok = token_mask(m_row, NT * QR, GP)
+    if QR == 1:
+        b_s = b_tok
+        if REDUCE == 1:
+            b_s = tl.where(m_tok[:, None], b_s, float("-inf"))
+    else:
+        b_s = fold_tokens(tl.reshape(b_tok, [NT, QR, N]),
+                          tl.reshape(m_tok, [NT, QR])[:, :, None], 1, REDUCE)
+    return b_s
 
 
 # ------------------------------------------------------------------------------------------------
@@ -67,16 +227,25 @@ def leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C: tl.constexpr, CP: tl.constexpr, DP:
 
 
 @triton.jit
-def leaf_scores(b_q, m_row, b_k, scale, BT: tl.constexpr, GP: tl.constexpr, C: tl.constexpr,
-                CP: tl.constexpr, SCORER: tl.constexpr, F32_PREC: tl.constexpr):
+def leaf_tile_scores(b_q, b_ql, m_row, b_k, scale, BT: tl.constexpr, GP: tl.constexpr,
+                     C: tl.constexpr, CP: tl.constexpr, SCORER: tl.constexpr, QLO: tl.constexpr,
+                     F32_PREC: tl.constexpr):
     """Scores ``[BT, L]`` of the leaves whose keys ``leaf_keys`` loaded into ``b_k [L * CP, DP]``,
-    for the ``BT`` tokens of the query rows ``b_q [BT * GP, DP]``: one dot, then per block and
-    row ``key_scores``, summed over each token's heads."""
+    for the ``BT`` tokens of the query rows ``b_q [BT * GP, DP]`` (with their residuals ``b_ql``
+    when ``QLO``): one dot (two), then per block and row ``key_scores``, summed over each token's
+    heads."""
     M: tl.constexpr = b_q.shape[0]
     L: tl.constexpr = b_k.shape[0] // CP
     o_c = tl.arange(0, CP)
-    b_z = tl.reshape(dot_nt(b_q, b_k, F32_PREC) * scale, [M, L, CP])
+    b_z = tl.reshape(key_logits(b_q, b_ql, b_k, QLO, F32_PREC) * scale, [M, L, CP])
     return token_sums(key_scores(b_z, (o_c < C)[None, None, :], C, SCORER), m_row, BT, GP)
+
+
+@triton.jit
+def leaf_scores(b_q, m_row, b_k, scale, BT: tl.constexpr, GP: tl.constexpr, C: tl.constexpr,
+                CP: tl.constexpr, SCORER: tl.constexpr, F32_PREC: tl.constexpr):
+    """``leaf_tile_scores`` of rows without residuals."""
+    return leaf_tile_scores(b_q, b_q, m_row, b_k, scale, BT, GP, C, CP, SCORER, False, F32_PREC)
 
 
 @triton.jit
@@ -121,20 +290,75 @@ def candidates(b_rest, n_rest, c0, c1, span_up, G_BR: tl.constexpr, GBP: tl.cons
     return tl.reshape(tl.join(o_a, o_b), [2 * NA]), tl.reshape(tl.join(m_a, m_b), [2 * NA])
 
 
+# ------------------------------------------------------------------------------------------------
+# Node scores and the walk
+# ------------------------------------------------------------------------------------------------
+
+
 @triton.jit
-def _child_scores(b_q, o_node, m_node, p_child, s_cn, p_ccount, n_child, scale,
-                  CHILDREN: tl.constexpr, SCORER: tl.constexpr, DP: tl.constexpr, D: tl.constexpr,
-                  LO: tl.constexpr, F32_PREC: tl.constexpr):
-    """Scores ``[N, M]`` of nodes ``o_node [N]`` for the query rows ``b_q [M, DP]`` from their
-    ``CHILDREN`` children's means (rows ``o_node * CHILDREN + c`` of ``p_child``) weighted by the
-    children's counts, from ``means @ q^T`` (the ``N`` candidates as the dot's rows). ``LO > 0``:
-    the rows hold the 16-bit heads of fp32 means, their residuals ``LO`` elements on.
+def _summary_dot(p, m_p, b_q, b_ql, LO: tl.constexpr, QLO: tl.constexpr,
+                 F32_PREC: tl.constexpr):
+    """``[N, M]``: the node summaries at ``p [N, DP]`` (16-bit heads, their residuals ``LO``
+    elements on when ``LO > 0``) dotted with the rows ``b_q [M, DP]`` (and their residuals
+    ``b_ql`` when ``QLO``; the product of two residuals, ~2**-16 of either, is left out)."""
+    b_x = tl.load(p, mask=m_p, other=0.)
+    b_z = dot_nt(b_x, b_q, F32_PREC)
+    if LO > 0:
+        b_z += dot_nt(tl.load(p + LO, mask=m_p, other=0.), b_q, F32_PREC)
+    if QLO:
+        b_z += dot_nt(b_x, b_ql, F32_PREC)
+    return b_z
+
+
+@triton.jit
+def _child_z(b_qa, b_qal, b_qb, b_qbl, p, m_c, m_d, scale, LO: tl.constexpr, QLO: tl.constexpr,
+             BOUND: tl.constexpr, BO: tl.constexpr, F32_PREC: tl.constexpr):
+    """Scaled logits ``[N, M]`` of one child per node (summaries at ``p``, nodes ``m_c``, dims
+    ``m_d``): ``scale * mean . q``; ``BOUND``: ``scale * (q_a . max + q_b . min)`` (maxs at ``p``,
+    mins ``BO`` elements on; ``q_a``, ``q_b`` the rows split by sign, ``_sign_rows``), the largest
+    ``scale * q . k`` over the keys of the child's box."""
+    m_p = m_c[:, None] & m_d[None, :]
+    b_z = _summary_dot(p, m_p, b_qa, b_qal, LO, QLO, F32_PREC)
+    if BOUND:
+        b_z += _summary_dot(p + BO, m_p, b_qb, b_qbl, LO, QLO, F32_PREC)
+    return b_z * scale
+
+
+@triton.jit
+def _sign_rows(b_q, b_ql, scale, BOUND: tl.constexpr):
+    """``(q_a, q_a residual, q_b, q_b residual)``: for ``BOUND`` the rows' elements where
+    ``scale * q > 0`` and the others (the sign of a head and residual pair is the head's: the
+    residual is below half its last bit), so ``scale * (q_a . max + q_b . min)`` is
+    ``sum_d max(s q_d min_d, s q_d max_d)``; otherwise the rows (and residuals) twice."""
+    if BOUND:
+        m_pos = b_q.to(tl.float32) * scale > 0
+        b_0 = tl.zeros_like(b_q)
+        b_qa = tl.where(m_pos, b_q, b_0)
+        b_qal = tl.where(m_pos, b_ql, b_0)
+        b_qb = tl.where(m_pos, b_0, b_q)
+        b_qbl = tl.where(m_pos, b_0, b_ql)
+    else:
+        b_qa = b_q
+        b_qal = b_ql
+        b_qb = b_q
+        b_qbl = b_ql
+    return b_qa, b_qal, b_qb, b_qbl
+
+
+@triton.jit
+def _child_scores(b_qa, b_qal, b_qb, b_qbl, o_node, m_node, p_child, s_cn, p_ccount, n_child,
+                  scale, CHILDREN: tl.constexpr, SCORER: tl.constexpr, DP: tl.constexpr,
+                  D: tl.constexpr, LO: tl.constexpr, QLO: tl.constexpr, BOUND: tl.constexpr,
+                  BO: tl.constexpr, F32_PREC: tl.constexpr):
+    """Scores ``[N, M]`` of nodes ``o_node [N]`` for the query rows (``_sign_rows``) from their
+    ``CHILDREN`` children's logits (``_child_z``; summaries at rows ``o_node * CHILDREN + c`` of
+    ``p_child``) weighted by the children's counts, with the ``N`` candidates as the dots' rows.
 
     lse: ``log sum_c n_c exp(z_c)`` (online, max-shift added back); mean / meanvar: count-weighted
     Welford mean and variance of ``z_c``. A child past ``n_child`` has count 0 and no weight.
     """
     o_d = tl.arange(0, DP)
-    M: tl.constexpr = b_q.shape[0]
+    M: tl.constexpr = b_qa.shape[0]
     N: tl.constexpr = o_node.shape[0]
     b_a = tl.full([N, M], float("-inf"), dtype=tl.float32)  # lse: running max; else: mean
     b_b = tl.zeros_like(b_a)  # lse: running sum; else: running M2
@@ -145,11 +369,8 @@ def _child_scores(b_q, o_node, m_node, p_child, s_cn, p_ccount, n_child, scale,
         o_c = o_node * CHILDREN + c
         m_c = m_node & (o_c < n_child)
         p = p_child + o_c.to(tl.int64)[:, None] * s_cn + o_d[None, :]
-        m_p = m_c[:, None] & (o_d < D)[None, :]
-        b_z = dot_nt(tl.load(p, mask=m_p, other=0.), b_q, F32_PREC)
-        if LO > 0:
-            b_z += dot_nt(tl.load(p + LO, mask=m_p, other=0.), b_q, F32_PREC)
-        b_z = b_z * scale  # [N, M]
+        b_z = _child_z(b_qa, b_qal, b_qb, b_qbl, p, m_c, o_d < D, scale, LO, QLO, BOUND, BO,
+                       F32_PREC)  # [N, M]
         b_n = tl.load(p_ccount + o_c, mask=m_c, other=0).to(tl.float32)
         if SCORER == 0:
             b_x = tl.where(b_n[:, None] > 0, b_z + tl.log(tl.maximum(b_n, 1.))[:, None],
@@ -175,155 +396,295 @@ def _child_scores(b_q, o_node, m_node, p_child, s_cn, p_ccount, n_child, scale,
 
 
 @triton.jit
-def _pair_lse_scores(b_q, o_node, m_node, p_child, s_cn, p_ccount, n_child, scale,
-                     D: tl.constexpr, LO: tl.constexpr, F32_PREC: tl.constexpr):
+def _pair_lse_scores(b_qa, b_qal, b_qb, b_qbl, o_node, m_node, p_child, s_cn, p_ccount, n_child,
+                     scale, D: tl.constexpr, LO: tl.constexpr, QLO: tl.constexpr,
+                     BOUND: tl.constexpr, BO: tl.constexpr, F32_PREC: tl.constexpr):
     """``_child_scores`` for the lse scorer and two children, in closed form:
     ``log(n_0 e^z_0 + n_1 e^z_1) = hi + log(1 + e^(lo - hi))`` with ``hi, lo`` the larger and
     smaller of ``z_c + log n_c`` (one exp2 and one log2 per score instead of the online update's
     four exps and a libdevice log). Returns ``[N, M]``."""
-    DP: tl.constexpr = b_q.shape[1]
+    DP: tl.constexpr = b_qa.shape[1]
     o_d = tl.arange(0, DP)
     o_c = o_node * 2
     m_c0 = m_node & (o_c < n_child)
     m_c1 = m_node & (o_c + 1 < n_child)
     p = p_child + o_c.to(tl.int64)[:, None] * s_cn + o_d[None, :]
-    b_x0 = _child_logits(b_q, p, m_c0, o_d < D, p_ccount + o_c, scale, LO, F32_PREC)
-    b_x1 = _child_logits(b_q, p + s_cn, m_c1, o_d < D, p_ccount + o_c + 1, scale, LO, F32_PREC)
+    b_x0 = _child_logits(b_qa, b_qal, b_qb, b_qbl, p, m_c0, o_d < D, p_ccount + o_c, scale, LO,
+                         QLO, BOUND, BO, F32_PREC)
+    b_x1 = _child_logits(b_qa, b_qal, b_qb, b_qbl, p + s_cn, m_c1, o_d < D, p_ccount + o_c + 1,
+                         scale, LO, QLO, BOUND, BO, F32_PREC)
     b_hi = tl.maximum(b_x0, b_x1)
     b_d = tl.minimum(b_x0, b_x1) - tl.where(b_hi > float("-inf"), b_hi, 0.)  # no child: -inf
     return b_hi + tl.log2(1. + tl.exp2(b_d * 1.4426950408889634)) * 0.6931471805599453
 
 
 @triton.jit
-def _child_logits(b_q, p, m_c, m_d, p_n, scale, LO: tl.constexpr, F32_PREC: tl.constexpr):
-    """``[N, M]``: ``scale * mean_c . q + log n_c`` of one child per node (means at ``p [N, DP]``
-    for the nodes ``m_c`` and dims ``m_d``; 16-bit head and residual ``LO`` on when ``LO > 0``),
-    ``-inf`` for a missing child."""
-    m_p = m_c[:, None] & m_d[None, :]
-    b_z = dot_nt(tl.load(p, mask=m_p, other=0.), b_q, F32_PREC)
-    if LO > 0:
-        b_z += dot_nt(tl.load(p + LO, mask=m_p, other=0.), b_q, F32_PREC)
+def _child_logits(b_qa, b_qal, b_qb, b_qbl, p, m_c, m_d, p_n, scale, LO: tl.constexpr,
+                  QLO: tl.constexpr, BOUND: tl.constexpr, BO: tl.constexpr,
+                  F32_PREC: tl.constexpr):
+    """``[N, M]``: ``_child_z + log n_c`` of one child per node, ``-inf`` for a missing child."""
+    b_z = _child_z(b_qa, b_qal, b_qb, b_qbl, p, m_c, m_d, scale, LO, QLO, BOUND, BO, F32_PREC)
     b_n = tl.load(p_n, mask=m_c, other=0).to(tl.float32)
-    return tl.where(b_n[:, None] > 0, b_z * scale + tl.log(tl.maximum(b_n, 1.))[:, None],
+    return tl.where(b_n[:, None] > 0, b_z + tl.log(tl.maximum(b_n, 1.))[:, None],
                     float("-inf"))
 
 
 @triton.jit
-def walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, c0, c1, t_last, scale,
-         C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr,
-         WP: tl.constexpr, SCORER: tl.constexpr, DP: tl.constexpr, D: tl.constexpr,
-         LO: tl.constexpr, F32_PREC: tl.constexpr):
-    """The internal levels of the walk, from the root's children down to level 2, for the query
-    rows ``b_q`` (``m_row``: the real ones) of a tile whose tokens lie in leaves ``c0..c1``
-    (``t_last`` its last position). Returns ``b_rest [WP]``, the kept non-forced level-2 nodes
-    (``n_rest`` of them, best first).
+def _chunk_node_scores(b_q, b_ql, m_row, o_x, m_x, p_child, s_cn, p_ccount, n_child, scale,
+                       G_BR: tl.constexpr, SCORER: tl.constexpr, BOUND: tl.constexpr,
+                       BO: tl.constexpr, REDUCE: tl.constexpr, GP: tl.constexpr,
+                       TB: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
+                       QLO: tl.constexpr, F32_PREC: tl.constexpr):
+    """``[NX]``: the candidates' scores for one chunk of a tile's rows (``TB`` tokens of ``GP``
+    rows): per (candidate, row) from the children, summed over each token's real heads, folded
+    over the chunk's real tokens (``fold_tokens``)."""
+    b_qa, b_qal, b_qb, b_qbl = _sign_rows(b_q, b_ql, scale, BOUND)
+    if SCORER == 0 and G_BR == 2:
+        b_sm = _pair_lse_scores(b_qa, b_qal, b_qb, b_qbl, o_x, m_x, p_child, s_cn, p_ccount,
+                                n_child, scale, D, LO, QLO, BOUND, BO, F32_PREC)
+    else:
+        b_sm = _child_scores(b_qa, b_qal, b_qb, b_qbl, o_x, m_x, p_child, s_cn, p_ccount,
+                             n_child, scale, G_BR, SCORER, DP, D, LO, QLO, BOUND, BO, F32_PREC)
+    if TB == 1:  # one token: the sum over its heads (log-sum-exp: -inf without a real row)
+        b_s = tl.sum(tl.where(m_row[None, :], b_sm, 0.), axis=1)  # [NX]
+        if REDUCE == 1:
+            b_s = tl.where(tl.max(m_row.to(tl.int32), axis=0) > 0, b_s, float("-inf"))
+    else:
+        NX: tl.constexpr = b_sm.shape[0]
+        b_tok = tl.sum(tl.reshape(tl.where(m_row[None, :], b_sm, 0.), [NX, TB, GP]), axis=2)
+        b_s = fold_tokens(b_tok, token_mask(m_row, TB, GP)[None, :], 1, REDUCE)
+    return b_s
 
-    A level's candidates (``candidates``, ``NX`` slots) are the children of the kept nodes above
-    plus the non-forced causal children of the forced nodes above; forced nodes themselves are
-    never carried, their indices follow from the tile's position. A level with at most ``W``
-    candidates is not scored (all are kept).
+
+@triton.jit
+def _level_scores(o_x, m_x, lvl, b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn,
+                  p_counts, p_off, scale, G_BR: tl.constexpr, SCORER: tl.constexpr,
+                  BOUND: tl.constexpr, BO: tl.constexpr, REDUCE: tl.constexpr, G: tl.constexpr,
+                  GP: tl.constexpr, TB: tl.constexpr, NCH: tl.constexpr, DP: tl.constexpr,
+                  D: tl.constexpr, LO: tl.constexpr, LO_R: tl.constexpr,
+                  F32_PREC: tl.constexpr):
+    """Tile scores ``[NX]`` of the candidates ``o_x`` of level ``lvl`` from their children's
+    summaries (level ``lvl - 1``): one chunk of rows (``b_q``, ``NCH == 1``) or ``NCH`` chunks of
+    ``TB`` tokens loaded in turn (``tile_rows`` of ``r_lo .. r_hi``) and folded."""
+    lo = tl.load(p_off + lvl - 2)
+    n_child = tl.load(p_off + lvl - 1) - lo
+    p_child = p_mh + lo.to(tl.int64) * s_mn
+    if NCH == 1:
+        b_s = _chunk_node_scores(b_q, b_ql, m_row, o_x, m_x, p_child, s_mn, p_counts + lo,
+                                 n_child, scale, G_BR, SCORER, BOUND, BO, REDUCE, GP, TB, DP, D,
+                                 LO, LO_R > 0, F32_PREC)
+    else:
+        b_s = tl.zeros(o_x.shape, dtype=tl.float32)
+        if REDUCE == 1:
+            b_s = tl.full(o_x.shape, float("-inf"), dtype=tl.float32)
+        for c in range(0, NCH):
+            b_qc, b_qlc, m_rc = tile_rows(p_rh, s_rt, s_rh, r_lo + c * TB, r_hi, G, GP, TB, D, DP,
+                                          LO_R)
+            b_sc = _chunk_node_scores(b_qc, b_qlc, m_rc, o_x, m_x, p_child, s_mn, p_counts + lo,
+                                      n_child, scale, G_BR, SCORER, BOUND, BO, REDUCE, GP, TB,
+                                      DP, D, LO, LO_R > 0, F32_PREC)
+            b_s = fold_chunks(b_s, b_sc, REDUCE)
+    return b_s
+
+
+@triton.jit
+def _walk_level(b_rest, n_rest, lvl, span, beam, c0, c1, t_last, b_q, b_ql, m_row, p_rh, s_rt,
+                s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p_off, scale, WOUT: tl.constexpr,
+                C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, WP: tl.constexpr,
+                SCORER: tl.constexpr, BOUND: tl.constexpr, BO: tl.constexpr,
+                REDUCE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr,
+                NCH: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
+                LO_R: tl.constexpr, F32_PREC: tl.constexpr):
+    """One level ``lvl`` (``span`` leaves a node) of the walk: its candidates (``candidates`` of the
+    ``n_rest`` kept nodes ``b_rest [WP]`` above), free ones only (causal, not forced), and the
+    ``beam`` best of them, best first, in ``[WOUT]`` (``WOUT >= min(beam, candidates)``); all of
+    them, unscored and in index order, when they are at most ``beam``. Returns them and their
+    count."""
+    NX: tl.constexpr = 2 * GBP * WP
+    o_x, m_x = candidates(b_rest, n_rest, c0, c1, span * G_BR, G_BR, GBP, WP)
+    # Drop forced and future nodes (only children of forced nodes can be either).
+    m_x = m_x & (o_x * span * C <= t_last) & (o_x != 0) \
+        & (o_x != tl.maximum(c0 - 1, 0) // span) & (o_x != c0 // span) & (o_x != c1 // span)
+    n_cand = tl.sum(m_x.to(tl.int32))
+    # Unscored candidates rank by node index, which keeps all of them (n_cand <= beam).
+    b_s = tl.zeros([NX], dtype=tl.float32)
+    if n_cand > beam:
+        b_s = _level_scores(o_x, m_x, lvl, b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh,
+                            s_mn, p_counts, p_off, scale, G_BR, SCORER, BOUND, BO, REDUCE, G, GP,
+                            TB, NCH, DP, D, LO, LO_R, F32_PREC)
+    # The best (slots >= the count are dropped by candidates at the next level), best first.
+    b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WOUT)
+    return tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0), tl.minimum(n_cand, beam)
+
+
+@triton.jit
+def walk(b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p_off, n_levels,
+         top_span, c0, c1, t_last, scale, C: tl.constexpr, G_BR: tl.constexpr,
+         GBP: tl.constexpr, W: tl.constexpr, W2: tl.constexpr, WP: tl.constexpr,
+         WPL: tl.constexpr, SCORER: tl.constexpr, BOUND: tl.constexpr, BO: tl.constexpr,
+         REDUCE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr,
+         NCH: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
+         LO_R: tl.constexpr, F32_PREC: tl.constexpr):
+    """The internal levels of the walk, from the root's children down to level 2, for a tile whose
+    tokens lie in leaves ``c0..c1`` (``t_last`` its last position). Its query rows: ``b_q``
+    (residuals ``b_ql``, real rows ``m_row``) when they are one chunk (``NCH == 1``), else the
+    ``NCH`` chunks of ``TB`` tokens of ``tile_rows(p_rh, .., r_lo + c * TB, r_hi)`` loaded at each
+    scored level. Summaries at ``p_mh`` (``_child_z``). Returns ``b_rest [WPL]``, the kept
+    non-forced level-2 nodes (``n_rest`` of them, best first).
+
+    A level's candidates (``_walk_level``) are the children of the kept nodes above plus the
+    non-forced causal children of the forced nodes above; forced nodes themselves are never
+    carried, their indices follow from the tile's position. Levels above 2 keep ``W``, level 2
+    keeps ``W2`` (``beam_leaf``); a level with at most that many candidates is not scored.
 
     The top levels where that holds are not visited. Down to the first level with more
-    than ``W`` candidates, every level's candidates are all its non-forced causal nodes: with
-    ``a(x) = x // span`` (``span >= 2`` leaves a node), the forced nodes ``a(c0 - 1) .. a(c1)`` are
-    the last causal ones and node 0, so the candidates are nodes ``1 .. a(c0 - 1) - 1``, in index
-    order (the order an unscored level's top-W leaves them in)."""
-    NX: tl.constexpr = 2 * GBP * WP
-    n_rest = 0
+    than its beam of candidates, every level's candidates are all its non-forced causal nodes:
+    with ``a(x) = x // span`` (``span >= 2`` leaves a node), the forced nodes ``a(c0 - 1) ..
+    a(c1)`` are the last causal ones and node 0, so the candidates are nodes
+    ``1 .. a(c0 - 1) - 1``, in index order (the order an unscored level's top-W leaves them in)."""
+    n_rest = tl.full([], 0, dtype=tl.int32)
     span = top_span  # leaves under a node of the level being ranked
-    i0 = 0
+    i0 = 0  # the level being looked at is n_levels - 1 - i0
     n_next = tl.maximum(tl.maximum(c0 - 1, 0) // span - 1, 0)  # candidates of level i0
-    while (i0 < n_levels - 2) & (n_next <= W):
+    while (i0 < n_levels - 2) & (n_next <= tl.where(n_levels - 1 - i0 == 2, W2, W)):
         n_rest = n_next
         i0 += 1
         span = span // G_BR
         n_next = tl.maximum(tl.maximum(c0 - 1, 0) // span - 1, 0)
     b_rest = tl.arange(0, WP) + 1
-    for i in range(i0, n_levels - 2):
-        lvl = n_levels - 1 - i
-        o_x, m_x = candidates(b_rest, n_rest, c0, c1, span * G_BR, G_BR, GBP, WP)
-        # Drop forced and future nodes (only children of forced nodes can be either).
-        m_x = m_x & (o_x * span * C <= t_last) & (o_x != 0) \
-            & (o_x != tl.maximum(c0 - 1, 0) // span) & (o_x != c0 // span) & (o_x != c1 // span)
-        n_cand = tl.sum(m_x.to(tl.int32))
-        # Unscored candidates rank by node index, which keeps all of them (n_cand <= W).
-        b_s = tl.zeros([NX], dtype=tl.float32)
-        if n_cand > W:
-            lo = tl.load(p_off + lvl - 2)
-            n_child = tl.load(p_off + lvl - 1) - lo
-            if SCORER == 0 and G_BR == 2:
-                b_sm = _pair_lse_scores(b_q, o_x, m_x, p_mh + lo.to(tl.int64) * s_mn, s_mn,
-                                        p_counts + lo, n_child, scale, D, LO, F32_PREC)
-            else:
-                b_sm = _child_scores(b_q, o_x, m_x, p_mh + lo.to(tl.int64) * s_mn, s_mn,
-                                     p_counts + lo, n_child, scale, G_BR, SCORER, DP, D, LO,
-                                     F32_PREC)
-            b_s = tl.sum(tl.where(m_row[None, :], b_sm, 0.), axis=1)  # [NX]
-        # The W best (slots >= n_rest are dropped by candidates), best first.
-        b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WP)
-        b_rest = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
-        n_rest = tl.minimum(n_cand, W)
+    for i in range(i0, n_levels - 3):  # the ranked levels above level 2
+        b_rest, n_rest = _walk_level(b_rest, n_rest, n_levels - 1 - i, span, W, c0, c1, t_last,
+                                     b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn,
+                                     p_counts, p_off, scale, WP, C, G_BR, GBP, WP, SCORER, BOUND,
+                                     BO, REDUCE, G, GP, TB, NCH, DP, D, LO, LO_R, F32_PREC)
         span = span // G_BR
-    return b_rest, n_rest
+    if i0 < n_levels - 2:  # level 2 is visited
+        b_out, n_out = _walk_level(b_rest, n_rest, 2, span, W2, c0, c1, t_last, b_q, b_ql, m_row,
+                                   p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p_off,
+                                   scale, WPL, C, G_BR, GBP, WP, SCORER, BOUND, BO, REDUCE, G, GP,
+                                   TB, NCH, DP, D, LO, LO_R, F32_PREC)
+    else:  # skipped: all its free nodes, 1 .. n_rest
+        b_out = tl.arange(0, WPL) + 1
+        n_out = n_rest
+    return b_out, n_out
 
 
 # ------------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------------
 
+@triton.jit
+def tile_span(i_t, tile0, Tq, Tk, QT: tl.constexpr, C: tl.constexpr):
+    """Tile ``i_t`` of a selection (absolute tile ``tile0 + i_t``, ``QT`` positions): its first
+    position (any one has the same block, hence the same causality and forced blocks), its block
+    and its query tokens ``[q_lo, q_hi)`` (query indices: queries are the last ``Tq`` of ``Tk``
+    positions). ``QT = 1``: the query token ``i_t`` itself."""
+    pos = (tile0 + i_t) * QT
+    q_lo = tl.maximum(pos - (Tk - Tq), 0)
+    q_hi = tl.minimum(pos + QT - (Tk - Tq), Tq)
+    return pos, pos // C, q_lo, q_hi
+
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
 # each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
 # 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
-@triton.jit(do_not_specialize=["Tq", "Tk", "n_levels", "top_span", "n_par", "n_chunk",
-                               "chunk"])
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_levels", "top_span", "n_par",
+                               "n_chunk", "chunk"])
 def _pyramid_walk_kernel(
-        p_q, p_means, p_counts, p_off, p_key,
-        Tq, Tk, n_levels, top_span, scale, n_par, n_chunk, chunk,
-        s_qb: tl.int64, s_qt, s_qh, s_mb: tl.int64, s_mn, s_mh,
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr,
-        G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-        S: tl.constexpr, SCORER: tl.constexpr, LO: tl.constexpr, SLOT_NONE: tl.constexpr,
-        F32_PREC: tl.constexpr):
-    """The internal levels of query ``i_t``'s walk (``walk``); writes the level-2 parents of its
-    leaf candidates into its ``S = WP + 3`` slots of ``p_key [B, Tq, HKV, S]``: the ``n_rest`` kept
-    nodes, then the (up to 3) forced level-2 nodes that have a free child. A slot holds the sort key
-    ``((b * HKV + h) * n_chunk + i_t // chunk) * n_par + parent``, or ``SLOT_NONE`` when empty."""
+        p_q, p_rows, p_means, p_counts, p_off, p_key,
+        Tq, Tk, n_tiles, tile0, n_levels, top_span, scale, n_par, n_chunk, chunk,
+        s_qb: tl.int64, s_qt, s_qh, s_rb: tl.int64, s_rt, s_rh, s_mb: tl.int64, s_mn, s_mh,
+        QT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr,
+        NCH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr,
+        G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr, W2: tl.constexpr,
+        WP: tl.constexpr, WPL: tl.constexpr, S: tl.constexpr, SCORER: tl.constexpr,
+        BOUND: tl.constexpr, BO: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr,
+        LO: tl.constexpr, LO_R: tl.constexpr, SLOT_NONE: tl.constexpr, F32_PREC: tl.constexpr):
+    """The internal levels of tile ``i_t``'s walk (``walk``); writes the level-2 parents of its
+    leaf candidates into its ``S = WPL + 3`` slots of ``p_key [B, n_tiles, HKV, S]``: the
+    ``n_rest`` kept nodes, then the (up to 3) forced level-2 nodes that have a free child. A slot
+    holds the sort key ``((b * HKV + h) * n_chunk + i_t // chunk) * n_par + parent``, or
+    ``SLOT_NONE`` when empty.
+
+    The tile's rows: its query tokens' (``p_rows`` is ``p_q``) or, with ``MEAN``, its ``G`` mean
+    queries, which this program computes from ``p_q`` and writes to ``p_rows [B, n_tiles, HQ,
+    (2,) D]`` (16-bit head, then the residual ``LO_R`` elements on) for the leaf stage."""
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     HKV = tl.num_programs(1)
-    b_q, m_row = load_queries(p_q, i_b, i_h, i_t, Tq, s_qb, s_qt, s_qh, G, GP, 1, D, DP)
-    t_abs = Tk - Tq + i_t
-    cur = t_abs // C
+    pos, cur, q_lo, q_hi = tile_span(i_t, tile0, Tq, Tk, QT, C)
+    p_rh = p_rows + i_b.to(tl.int64) * s_rb + (i_h * G) * s_rh
+    if MEAN:
+        o_h = tl.arange(0, GP)
+        m_row = o_h < G
+        p_qh = p_q + i_b.to(tl.int64) * s_qb + (i_h * G) * s_qh
+        b_mean = mean_rows(p_qh, s_qt, s_qh, tl.zeros([GP], dtype=tl.int32) + (pos - (Tk - Tq)),
+                           o_h, m_row, Tq, QT, D, DP)
+        b_q, b_ql = split_rows(b_mean, p_rows.dtype.element_ty)
+        o_d = tl.arange(0, DP)
+        p_st = p_rh + i_t.to(tl.int64) * s_rt + o_h.to(tl.int64)[:, None] * s_rh + o_d[None, :]
+        m_st = m_row[:, None] & (o_d < D)[None, :]
+        tl.store(p_st, b_q, mask=m_st)
+        if LO_R > 0:
+            tl.store(p_st + LO_R, b_ql, mask=m_st)
+        r_lo = i_t
+        r_hi = i_t + 1
+    else:
+        r_lo = q_lo
+        r_hi = q_hi
+        b_q, b_ql, m_row = tile_rows(p_rh, s_rt, s_rh, r_lo, r_hi, G, GP, TB, D, DP, LO_R)
     p_mh = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh
-    b_rest, n_rest = walk(b_q, m_row, p_mh, s_mn, p_counts, p_off, n_levels, top_span, cur, cur,
-                          t_abs, scale, C, G_BR, GBP, W, WP, SCORER, DP, D, LO, F32_PREC)
+    b_rest, n_rest = walk(b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts,
+                          p_off, n_levels, top_span, cur, cur, pos, scale, C, G_BR, GBP, W, W2,
+                          WP, WPL, SCORER, BOUND, BO, REDUCE, G, GP, TB, NCH, DP, D, LO, LO_R,
+                          F32_PREC)
 
     base = ((i_b * HKV + i_h) * n_chunk + i_t // chunk).to(tl.int64) * n_par
-    p_row = p_key + ((i_b * Tq + i_t) * HKV + i_h).to(tl.int64) * S
-    o_w = tl.arange(0, WP)
+    p_row = p_key + ((i_b * n_tiles + i_t) * HKV + i_h).to(tl.int64) * S
+    o_w = tl.arange(0, WPL)
     b_key = tl.where(o_w < n_rest, base + b_rest, SLOT_NONE)
     tl.store(p_row + o_w, b_key.to(p_key.dtype.element_ty))
     o_f = tl.arange(0, 4)
     par, new = forced_parents(o_f, cur, cur, G_BR)  # slot 3 repeats slot 2 (c1 == c0)
     b_key = tl.where(new & (par * G_BR <= cur - 2), base + par, SLOT_NONE)
-    tl.store(p_row + WP + o_f, b_key.to(p_key.dtype.element_ty), mask=o_f < 3)
+    tl.store(p_row + WPL + o_f, b_key.to(p_key.dtype.element_ty), mask=o_f < 3)
 
 
-@triton.jit(do_not_specialize=["Tq", "Tk", "n_chunk", "n_par"])
+@triton.jit
+def _pair_chunk_scores(p_rh, s_rt, s_rh, b_lo, b_hi, m_head, o_mt, o_mh, c, b_k, scale,
+                       PB: tl.constexpr, TB: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+                       SCORER: tl.constexpr, REDUCE: tl.constexpr, LO_R: tl.constexpr,
+                       F32_PREC: tl.constexpr):
+    """``[PB, L]``: the leaf scores of chunk ``c`` (``TB`` tokens) of ``PB`` pairs' rows (per row
+    its pair's tokens ``[b_lo, b_hi)``, head ``o_mh``, chunk token ``o_mt``), folded over the
+    chunk's real tokens."""
+    o_t = b_lo + c * TB + o_mt
+    m_row = m_head & (o_t < b_hi)
+    b_q, b_ql = rows_at(p_rh, s_rt, s_rh, o_t, o_mh, m_row, D, DP, LO_R)
+    b_tok = leaf_tile_scores(b_q, b_ql, m_row, b_k, scale, PB * TB, GP, C, CP, SCORER, LO_R > 0,
+                             F32_PREC)  # [PB * TB, L]
+    return tile_token_scores(b_tok, m_row, PB, TB, GP, REDUCE)
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_chunk", "n_par"])
 def _leaf_groups_kernel(
-        p_q, p_k, p_start, p_pair, p_score, Tq, Tk, HKV, n_chunk, n_par, scale,
-        s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh,
-        PB: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        C: tl.constexpr, CP: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, S: tl.constexpr,
-        SCORER: tl.constexpr, F32_PREC: tl.constexpr):
+        p_rows, p_k, p_start, p_pair, p_score, Tq, Tk, n_tiles, tile0, HKV, n_chunk, n_par, scale,
+        s_rb: tl.int64, s_rt, s_rh, s_kb: tl.int64, s_kt, s_kh,
+        PB: tl.constexpr, TB: tl.constexpr, NCH: tl.constexpr, QT: tl.constexpr,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr,
+        CP: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, S: tl.constexpr,
+        SCORER: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr, LO_R: tl.constexpr,
+        F32_PREC: tl.constexpr):
     """Exact scores of the leaves of level-2 node ``i_par`` of (batch, KV head) ``i_bh`` for the
-    queries of chunk ``i_c`` that reached it: the pairs with sort key
+    tiles of chunk ``i_c`` that reached it: the pairs with sort key
     ``(i_bh * n_chunk + i_c) * n_par + i_par``, entries ``[start, end)`` of the sorted pair ids
-    ``p_pair`` (``u * S + slot``, ``u = (b * Tq + t) * HKV + h``). Pair id ``x`` gets
-    ``p_score[x, c]``, the group score of child ``c``.
+    ``p_pair`` (``u * S + slot``, ``u = (b * n_tiles + t) * HKV + h``). Pair id ``x`` gets
+    ``p_score[x, c]``, the tile score of child ``c``.
 
-    The node's ``G_BR * C`` keys are loaded once; its queries come ``PB`` at a time (``PB * G``
-    gathered rows, 4 KB a query at G=16, D=128, 16-bit) against them in one dot."""
+    The node's ``G_BR * C`` keys are loaded once; its tiles come ``PB`` at a time against them in
+    one dot: a tile's query tokens (``TB`` a dot, ``NCH`` dots folded by ``REDUCE`` when it has
+    more; ``p_rows`` is the queries) or, with ``MEAN``, its mean-query row of ``p_rows [B,
+    n_tiles, HQ, (2,) D]`` (``G`` rows a tile, 16-bit head + residual: 8 KB at G=16, D=128)."""
     i_par, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_key = (i_bh * n_chunk + i_c) * n_par + i_par
     start = tl.load(p_start + i_key)
@@ -337,44 +698,61 @@ def _leaf_groups_kernel(
         m_leaf = (o_c < G_BR) & ((o_leaf + 1) * C <= Tk)
         b_k = leaf_keys(p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh, s_kt, o_leaf, m_leaf,
                         C, CP, DP, D)  # [GBP * CP, DP]
-        o_g = tl.arange(0, GP)
-        o_d = tl.arange(0, DP)
-        p_qh = p_q + i_b.to(tl.int64) * s_qb + (i_h * G + o_g)[:, None] * s_qh + o_d[None, :]
-        m_qh = (o_g < G)[:, None] & (o_d < D)[None, :]  # [GP, DP]
+        p_rh = p_rows + i_b.to(tl.int64) * s_rb + (i_h * G) * s_rh
+        o_m = tl.arange(0, PB * TB * GP)  # row: (pair, chunk token, head)
+        o_mp = o_m // (TB * GP)
+        o_mt = (o_m // GP) % TB
+        o_mh = o_m % GP
         for r0 in range(start, end, PB):
             o_r = r0 + tl.arange(0, PB)
             m_r = o_r < end
             b_pair = tl.load(p_pair + o_r, mask=m_r, other=0)
-            b_t = (b_pair // S // HKV % Tq).to(tl.int64)
-            b_q = tl.load(p_qh[None, :, :] + b_t[:, None, None] * s_qt,
-                          mask=m_r[:, None, None] & m_qh[None, :, :], other=0.)  # [PB, GP, DP]
-            m_row = tl.reshape(m_r[:, None] & (o_g < G)[None, :], [PB * GP])
-            b_s = leaf_scores(tl.reshape(b_q, [PB * GP, DP]), m_row, b_k, scale, PB, GP, C, CP,
-                              SCORER, F32_PREC)  # [PB, GBP]
+            m_rp = r0 + o_mp < end  # per row: its pair's id and tile
+            b_tile = (tl.load(p_pair + r0 + o_mp, mask=m_rp, other=0) // S // HKV
+                      % n_tiles).to(tl.int32)
+            if MEAN:
+                b_lo = b_tile
+                b_hi = b_tile + 1
+            else:
+                _, _, b_lo, b_hi = tile_span(b_tile, tile0, Tq, Tk, QT, C)
+            m_head = m_rp & (o_mh < G)
+            if NCH == 1:
+                b_s = _pair_chunk_scores(p_rh, s_rt, s_rh, b_lo, b_hi, m_head, o_mt, o_mh, 0,
+                                         b_k, scale, PB, TB, GP, D, DP, C, CP, SCORER, REDUCE,
+                                         LO_R, F32_PREC)  # [PB, GBP]
+            else:
+                b_s = tl.zeros([PB, GBP], dtype=tl.float32)
+                if REDUCE == 1:
+                    b_s = tl.full([PB, GBP], float("-inf"), dtype=tl.float32)
+                for c in range(0, NCH):
+                    b_s = fold_chunks(b_s, _pair_chunk_scores(
+                        p_rh, s_rt, s_rh, b_lo, b_hi, m_head, o_mt, o_mh, c, b_k, scale, PB, TB,
+                        GP, D, DP, C, CP, SCORER, REDUCE, LO_R, F32_PREC), REDUCE)
             tl.store(p_score + b_pair[:, None] * GBP + o_c[None, :], b_s,
                      mask=m_r[:, None] & (o_c < G_BR)[None, :])
 
 
-# the selection outputs' batch strides (Tq * HKV * slots) follow the length: not specialised
-@triton.jit(do_not_specialize=["Tq", "Tk", "n_par", "s_ib", "s_cb"])
+# the selection outputs' batch strides (n_tiles * HKV * slots) follow the length: not specialised
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_par", "s_ib", "s_cb"])
 def _leaf_topk_kernel(
-        p_key, p_score, p_idx, p_cnt, Tq, Tk, n_par,
+        p_key, p_score, p_idx, p_cnt, Tq, Tk, n_tiles, tile0, n_par,
         s_ib: tl.int64, s_it, s_ih, s_cb: tl.int64, s_ct,
-        BT: tl.constexpr, C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr,
-        S: tl.constexpr, SPP: tl.constexpr, KS: tl.constexpr, TOPK: tl.constexpr,
-        SLOTS: tl.constexpr, SP: tl.constexpr, IN_BUDGET: tl.constexpr,
+        BT: tl.constexpr, QT: tl.constexpr, C: tl.constexpr, G_BR: tl.constexpr,
+        GBP: tl.constexpr, S: tl.constexpr, SPP: tl.constexpr, KS: tl.constexpr,
+        TOPK: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, IN_BUDGET: tl.constexpr,
         SLOT_NONE: tl.constexpr):
-    """Each of the ``BT`` tokens of tile ``i_t`` keeps its best free leaves among the children of
-    its ``S`` parent slots (scores from ``_leaf_groups_kernel``) and writes its row."""
+    """Each of the ``BT`` selection rows (tiles) ``i_t * BT ..`` keeps its best free leaves among
+    the children of its ``S`` parent slots (scores from ``_leaf_groups_kernel``) and writes its
+    row."""
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     HKV = tl.num_programs(1)
     t0 = i_t * BT
     o_bt = tl.arange(0, BT)
-    m_tok = t0 + o_bt < Tq
-    cur = (Tk - Tq + t0 + o_bt) // C
+    m_tok = t0 + o_bt < n_tiles
+    cur = ((tile0 + t0 + o_bt) * QT) // C
     o_s = tl.arange(0, SPP)
     o_c = tl.arange(0, GBP)
-    b_pair = ((i_b * Tq + t0 + o_bt) * HKV + i_h).to(tl.int64)[:, None] * S + o_s[None, :]
+    b_pair = ((i_b * n_tiles + t0 + o_bt) * HKV + i_h).to(tl.int64)[:, None] * S + o_s[None, :]
     b_key = tl.load(p_key + b_pair, mask=m_tok[:, None] & (o_s < S)[None, :], other=SLOT_NONE)
     o_leaf = (b_key % n_par).to(tl.int32)[:, :, None] * G_BR + o_c[None, None, :]  # [BT, SPP, GBP]
     m_free = (b_key != SLOT_NONE)[:, :, None] & (o_c < G_BR)[None, None, :] & (o_leaf >= 1) \
@@ -392,106 +770,161 @@ def _leaf_topk_kernel(
 # ------------------------------------------------------------------------------------------------
 
 def check_pyramid(pyramid: Pyramid, k: torch.Tensor, cfg: SelectConfig) -> None:
-    """A caller's prebuilt pyramid must be the fp32 pyramid of ``k`` in this geometry."""
+    """A caller's prebuilt pyramid must be the fp32 pyramid of ``k`` in this geometry (its bounds
+    too, when it has them)."""
     B, Tk, H, D = k.shape
     want = level_offsets(Tk, cfg.block_size, cfg.branching)
     if tuple(pyramid.offsets) != want:
         raise ValueError(f"pyramid offsets {pyramid.offsets} do not match k (T={Tk}, "
                          f"block_size={cfg.block_size}, branching={cfg.branching}): {want}")
-    if tuple(pyramid.means.shape) != (B, want[-1], H, D) or pyramid.means.dtype != torch.float32:
-        raise ValueError(f"pyramid.means must be fp32 [{B}, {want[-1]}, {H}, {D}] (the pyramid "
-                         f"of k: T={Tk}, block_size={cfg.block_size}, branching={cfg.branching}), "
-                         f"got {pyramid.means.dtype} {tuple(pyramid.means.shape)}")
-    if pyramid.means.stride(-1) != 1 or pyramid.counts.stride(-1) != 1:
+    for name in ("means", "mins", "maxs"):
+        x = getattr(pyramid, name)
+        if x is None and name != "means":
+            continue
+        if tuple(x.shape) != (B, want[-1], H, D) or x.dtype != torch.float32:
+            raise ValueError(f"pyramid.{name} must be fp32 [{B}, {want[-1]}, {H}, {D}] (the "
+                             f"pyramid of k: T={Tk}, block_size={cfg.block_size}, branching="
+                             f"{cfg.branching}), got {x.dtype} {tuple(x.shape)}")
+        if x.stride(-1) != 1:
+            raise ValueError("pyramid tensors must be contiguous in their last dim")
+        if x.device != k.device:
+            raise ValueError("pyramid must live on k's device")
+    if pyramid.counts.stride(-1) != 1:
         raise ValueError("pyramid tensors must be contiguous in their last dim")
-    if pyramid.means.device != k.device or pyramid.counts.device != k.device:
+    if pyramid.counts.device != k.device:
         raise ValueError("pyramid must live on k's device")
 
 
-def _beam_geometry(cfg: SelectConfig, Tk: int) -> tuple[int, int, int]:
-    """``(W, GBP, WP)``: the beam (at most the leaf count: no level has more candidates), the
-    padded branching and the padded beam of the walk's register tiles."""
-    n_leaves = cdiv(Tk, cfg.block_size)
-    W = min(cfg.beam, n_leaves)
+def beam_geometry(cfg: SelectConfig, n_keys: int):
+    """``(W, W2, GBP, WP, WPL)``: the beams above level 2 and at level 2 (at most the leaf count,
+    as ``W`` was before ``beam_leaf``: a length changes them only below ``beam`` leaves; and at
+    most the level-3 node count where ``W`` would not fit the kernel: no level above 2 has more
+    candidates, so neither cap changes a selection), the padded branching, the padded beam of the
+    walk's register tiles and the width of the level-2 beam (at most the ``2 * GBP * WP``
+    candidates a level holds). A ``ValueError`` for a beam too wide for the kernel."""
+    offsets = level_offsets(n_keys, cfg.block_size, cfg.branching)
+    n_leaves = offsets[1]
     GBP = pow2(cfg.branching)
+    W = min(cfg.beam, n_leaves)
     # GBP * WP slots hold the children of the 4 forced parents and >= 8 columns (x2) for tl.dot.
     WP = max(pow2(W), 4, cdiv(8, GBP))
     if 2 * GBP * WP > 1024:  # [NX, D] candidate tiles: wider ones spill and crawl
+        W = min(W, offsets[3] - offsets[2] if len(offsets) > 3 else 1)
+        WP = max(pow2(W), 4, cdiv(8, GBP))
+    if 2 * GBP * WP > 1024:
         raise ValueError(f"beam={cfg.beam} is too wide for the Triton pyramid kernel at "
-                         f"branching={cfg.branching}: use beam <= {512 // GBP}, or beam >= the "
-                         f"number of leaf blocks ({n_leaves}), which is the exact flat scan")
-    return W, GBP, WP
+                         f"branching={cfg.branching}: use beam <= {512 // GBP}, or beam and "
+                         f"beam_leaf >= the number of leaf blocks ({n_leaves}), which is the "
+                         f"exact flat scan")
+    W2 = min(cfg.beam_at(2), n_leaves)
+    WPL = max(4, min(pow2(W2), 2 * GBP * WP))
+    return W, W2, GBP, WP, WPL
 
 
-def _split_means(pyramid: Pyramid, q: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The means the walk reads ``[B, N, HKV, D]`` and the kernels' ``LO``: against 16-bit queries
-    the fp32 means as their 16-bit head with its 16-bit residual ``LO = D`` elements on (two
-    exact-product dots, ~16 mantissa bits, so near-equal nodes rank as in fp64), split once per
-    call; fp32 queries read the fp32 means."""
-    means = pyramid.means
+def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool):
+    """The node summaries the walk reads ``[B, N, HKV, D]`` and the kernels' ``LO`` and ``BO``
+    (element offsets of the residuals and of the mins): the means, or for the bound scorer the
+    maxs then the mins. Against 16-bit queries the fp32 summaries as their 16-bit head with its
+    16-bit residual ``LO = D`` elements on (two exact-product dots, ~16 mantissa bits, so
+    near-equal nodes rank as in fp64), split once per call; fp32 queries read fp32 summaries."""
+    D = pyramid.means.shape[-1]
+    parts = [pyramid.maxs, pyramid.mins] if bound else [pyramid.means]
     if q.dtype == torch.float32:
-        return means, 0
-    hi = means.to(q.dtype)
-    lo = (means - hi.float()).to(q.dtype)
-    return torch.stack([hi, lo], dim=3)[:, :, :, 0], means.shape[-1]  # [B, N, HKV, (2,) D]
+        if not bound:
+            return pyramid.means, 0, 0
+        return torch.stack(parts, dim=3)[:, :, :, 0], 0, D  # [B, N, HKV, (max, min), D]
+    split = []
+    for x in parts:
+        hi = x.to(q.dtype)
+        split += [hi, (x - hi.float()).to(q.dtype)]
+    # [B, N, HKV, (2 or 4), D]: (head, residual) of the means, or of the maxs then the mins
+    return torch.stack(split, dim=3)[:, :, :, 0], D, 2 * D
 
 
 def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts):
-    """Walk -> (query, level-2 parent) pair keys -> sort -> leaf scores per parent group ->
-    per-token top-K. Extra memory: ~24 bytes per slot (keys, sorted keys, pair ids,
-    scores), ``S = WP + 3`` slots per (token, KV head), plus 4 bytes per possible group."""
+    """Walk -> (tile, level-2 parent) pair keys -> sort -> leaf scores per parent group ->
+    per-tile top-K. Extra memory: ~24 bytes per slot (keys, sorted keys, pair ids,
+    scores), ``S = WPL + 3`` slots per (tile, KV head), plus 4 bytes per possible group, plus
+    for ``qmean`` tiles their mean queries ``[B, n_tiles, HQ, (2,) D]``."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
-    G, C, g = HQ // HKV, cfg.block_size, cfg.branching
-    W, GBP, WP = _beam_geometry(cfg, Tk)
-    S = WP + 3
+    G, C, g, Qt = HQ // HKV, cfg.block_size, cfg.branching, cfg.query_tile
+    n_tiles, tile0 = block_idx.shape[1], (Tk - Tq) // Qt
+    bound = cfg.scorer == "bound"
+    mean = Qt > 1 and cfg.tile_reduce == "qmean"
+    # query tokens a tile's rows hold: one for tokens and qmean tiles (their mean query)
+    row_tokens = 1 if mean else Qt
+    reduce_id = REDUCE_ID[cfg.tile_reduce] if row_tokens > 1 else 0
+    W, W2, GBP, WP, WPL = beam_geometry(cfg, Tk)
+    S = WPL + 3
     n_levels = pyramid.n_levels
     n_par = pyramid.offsets[2] - pyramid.offsets[1]  # level-2 nodes
     # Sort keys (and group ids) must fit int32; the chunk count is a grid dimension (<= 65535).
-    n_chunk = min(cdiv(Tq, LEAF_CHUNK), 65535, (2 ** 31 - 2) // (B * HKV * n_par))
+    n_chunk = min(cdiv(n_tiles, max(1, LEAF_CHUNK // row_tokens)), 65535,
+                  (2 ** 31 - 2) // (B * HKV * n_par))
     if n_chunk < 1:
         raise ValueError(f"Triton pyramid selection supports B * HKV * (level-2 nodes) < 2**31, "
                          f"got {B} * {HKV} * {n_par}")
-    chunk = cdiv(Tq, n_chunk)
-    n_chunk = cdiv(Tq, chunk)
+    chunk = cdiv(n_tiles, n_chunk)
+    n_chunk = cdiv(n_tiles, chunk)
     n_keys = B * HKV * n_chunk * n_par
     slot_none = torch.iinfo(torch.int32).max
     DP = max(16, pow2(D))
-    means, LO = _split_means(pyramid, q)
+    summaries, LO, BO = _walk_summaries(pyramid, q, bound)
     off = device_offsets(tuple(pyramid.offsets), q.device)
+    rows, LO_R = q, 0
+    if mean:  # written by the walk kernel, read by the leaf stage
+        parts = 1 if q.dtype == torch.float32 else 2
+        rows = torch.empty(B, n_tiles, HQ, parts, D, dtype=q.dtype, device=q.device)
+        LO_R = D if parts == 2 else 0
+    s_rows = (rows.stride(0), rows.stride(1), rows.stride(2))
 
-    keys = torch.empty(B, Tq, HKV, S, dtype=torch.int32, device=q.device)
-    _pyramid_walk_kernel[(Tq, HKV, B)](
-        q, means, pyramid.counts, off, keys, Tq, Tk, n_levels, g ** (n_levels - 2), cfg.scale,
-        n_par, n_chunk, chunk, q.stride(0), q.stride(1), q.stride(2),
-        means.stride(0), means.stride(1), means.stride(2),
-        G=G, GP=max(pow2(G), 16), D=D, DP=DP, C=C, G_BR=g, GBP=GBP, W=W, WP=WP, S=S,
-        SCORER=SCORER_ID[cfg.scorer], LO=LO, SLOT_NONE=slot_none, F32_PREC=F32_PRECISION,
-        num_warps=4, num_stages=2)
+    # Walk rows: a tile's tokens in chunks of <= WALK_ROWS rows (heads padded to >= 16 rows).
+    TB = max(1, min(row_tokens, WALK_ROWS // pow2(G)))
+    # One child's summary tiles of a level (heads, residuals; maxs and mins): a pipelined loop
+    # over children (g != 2 or mean / meanvar) holds 2 stages of them in shared memory, which the
+    # bound's four [128, 128] tiles at g = 3, 4 would overflow (279 KB, compiled for sm_90).
+    child_bytes = (2 * GBP * WP * DP * summaries.element_size() * (2 if LO else 1)
+                   * (2 if bound else 1))
+    keys = torch.empty(B, n_tiles, HKV, S, dtype=torch.int32, device=q.device)
+    _pyramid_walk_kernel[(n_tiles, HKV, B)](
+        q, rows, summaries, pyramid.counts, off, keys, Tq, Tk, n_tiles, tile0, n_levels,
+        g ** (n_levels - 2), cfg.scale, n_par, n_chunk, chunk, q.stride(0), q.stride(1),
+        q.stride(2), *s_rows, summaries.stride(0), summaries.stride(1), summaries.stride(2),
+        QT=Qt, G=G, GP=max(pow2(G), cdiv(16, TB)), TB=TB, NCH=cdiv(row_tokens, TB), D=D, DP=DP,
+        C=C, G_BR=g, GBP=GBP, W=W, W2=W2, WP=WP, WPL=WPL, S=S,
+        SCORER=SCORER_ID["lse" if bound else cfg.scorer], BOUND=bound, BO=BO, REDUCE=reduce_id,
+        MEAN=mean, LO=LO, LO_R=LO_R, SLOT_NONE=slot_none, F32_PREC=F32_PRECISION,
+        num_warps=4, num_stages=2 if 2 * child_bytes <= 160_000 else 1)
 
     pairs, start = sort_by_key(keys.view(-1), n_keys)  # group i: pairs[start[i]:start[i + 1]]
     scores = torch.empty(keys.numel(), GBP, dtype=torch.float32, device=q.device)
     # Default: 128 query rows a dot, fewer when the [rows, g * C] fp32 accumulator would pass 16K
-    # (128 registers a thread at 4 warps); 2 stages of gathered queries when they fit shared
-    # memory beside the parent's keys (fp32 at g = 3 asked for 256 KB with 128 rows, 2 stages).
+    # (128 registers a thread at 4 warps): PB tiles of TB tokens, a tile of more tokens in NCH
+    # dots; 2 stages of gathered queries when they fit shared memory beside the parent's keys
+    # (fp32 at g = 3 asked for 256 KB with 128 rows, 2 stages).
     CP = max(C, cdiv(16, GBP))
-    PB = max(1, min(128, 16384 // (GBP * CP)) // pow2(G))
-    GP = max(pow2(G), cdiv(16, PB))
-    smem = (GBP * CP + 2 * PB * GP) * DP * k.element_size()
+    rows_max = min(128, 16384 // (GBP * CP))
+    if row_tokens * pow2(G) <= rows_max:
+        TB, PB = row_tokens, max(1, rows_max // (row_tokens * pow2(G)))
+    else:
+        TB, PB = max(1, rows_max // pow2(G)), 1
+    GP = max(pow2(G), cdiv(16, PB * TB))
+    smem = (GBP * CP + 2 * PB * TB * GP * (2 if LO_R else 1)) * DP * k.element_size()
     _leaf_groups_kernel[(n_par, n_chunk, B * HKV)](
-        q, k, start, pairs, scores, Tq, Tk, HKV, n_chunk, n_par, cfg.scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        PB=PB, G=G, GP=GP, D=D, DP=DP, C=C, CP=CP, G_BR=g, GBP=GBP, S=S,
-        SCORER=SCORER_ID[cfg.scorer], F32_PREC=F32_PRECISION,
-        num_warps=4, num_stages=2 if smem <= 160_000 else 1)
+        rows, k, start, pairs, scores, Tq, Tk, n_tiles, tile0, HKV, n_chunk, n_par, cfg.scale,
+        *s_rows, k.stride(0), k.stride(1), k.stride(2),
+        PB=PB, TB=TB, NCH=cdiv(row_tokens, TB), QT=Qt, G=G, GP=GP, D=D, DP=DP, C=C, CP=CP,
+        G_BR=g, GBP=GBP, S=S, SCORER=SCORER_ID[cfg.leaf_scorer], REDUCE=reduce_id, MEAN=mean,
+        LO_R=LO_R, F32_PREC=F32_PRECISION, num_warps=4, num_stages=2 if smem <= 160_000 else 1)
 
     BT = 16
     SPP = pow2(S)
-    _leaf_topk_kernel[(cdiv(Tq, BT), HKV, B)](
-        keys, scores, block_idx, counts, Tq, Tk, n_par,
+    _leaf_topk_kernel[(cdiv(n_tiles, BT), HKV, B)](
+        keys, scores, block_idx, counts, Tq, Tk, n_tiles, tile0, n_par,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
         counts.stride(0), counts.stride(1),
-        BT=BT, C=C, G_BR=g, GBP=GBP, S=S, SPP=SPP, KS=min(SPP * GBP, pow2(cfg.topk)),
+        BT=BT, QT=Qt, C=C, G_BR=g, GBP=GBP, S=S, SPP=SPP, KS=min(SPP * GBP, pow2(cfg.topk)),
         TOPK=cfg.topk, SLOTS=cfg.slots, SP=pow2(cfg.slots), IN_BUDGET=cfg.forced_in_budget,
         SLOT_NONE=slot_none, num_warps=4)
 
@@ -502,17 +935,22 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts)
 
 def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
                           pyramid: Pyramid) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pyramid selection per query token and KV head (``cfg.selector == "pyramid"``, a beam
-    narrower than the leaf count).
+    """Pyramid selection per query tile (``cfg.query_tile`` tokens, one by default) and KV head
+    (``cfg.selector == "pyramid"``, beams narrower than the leaf count).
 
     ``q [B, Tq, HQ, D]``, ``k [B, Tk, HKV, D]`` fp16/bf16/fp32 (queries are the last ``Tq``
-    positions), ``pyramid`` the fp32 pyramid of ``k`` (``pisa.ops.pyramid``). Returns
-    ``block_idx [B, Tq, HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and
-    ``counts [B, Tq, HKV] int32``."""
+    positions), ``pyramid`` the fp32 pyramid of ``k`` (``pisa.ops.pyramid``; built with bounds
+    for ``scorer="bound"``). Returns ``block_idx [B, n_tiles, HKV, cfg.slots] int32`` (ascending,
+    ``-1`` padded) and ``counts [B, n_tiles, HKV] int32``, ``n_tiles = n_query_tiles(Tq, Tk,
+    cfg.query_tile)`` (``Tq`` for per-token selection)."""
     B, Tq, HQ, D = q.shape
-    HKV = k.shape[2]
-    block_idx = empty(B, Tq, HKV, cfg.slots, dtype=torch.int32, device=q.device)
-    counts = empty(B, Tq, HKV, dtype=torch.int32, device=q.device)
-    if B * Tq * HKV:
+    Tk, HKV = k.shape[1], k.shape[2]
+    if cfg.scorer == "bound" and pyramid.mins is None:
+        raise ValueError("scorer='bound' needs a pyramid built with bounds=True (per-node key "
+                         "mins and maxs)")
+    n_tiles = n_query_tiles(Tq, Tk, cfg.query_tile)
+    block_idx = empty(B, n_tiles, HKV, cfg.slots, dtype=torch.int32, device=q.device)
+    counts = empty(B, n_tiles, HKV, dtype=torch.int32, device=q.device)
+    if B * n_tiles * HKV:
         _launch_select(q, k, cfg, pyramid, block_idx, counts)
     return block_idx, counts

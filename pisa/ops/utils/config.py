@@ -18,8 +18,11 @@ from .geometry import cdiv
 SCORERS = ("lse", "mean", "meanvar", "bound")
 SELECTORS = ("pyramid", "flat_lse", "flat_mean", "auto")
 BACKENDS = ("auto", "torch", "triton", "naive")
-# How a query tile's tokens combine their per-token group scores of a candidate (``query_tile``).
-TILE_REDUCES = ("sum", "lse")
+# How a query tile's tokens score a candidate together (``query_tile``): the sum or the
+# log-sum-exp of their per-token group scores, or ("qmean") the group score of the tile's per-head
+# mean query over its real tokens (one row per head instead of ``query_tile``: that many times
+# fewer products; equal to "sum" for the mean scorer, up to the factor of the token count).
+TILE_REDUCES = ("sum", "lse", "qmean")
 # Forced leaves per query: the sink (first block), the previous block and the current block.
 MAX_FORCED = 3
 # Below this key length `selector="auto"` uses the flat exact-LSE scan; from it up, the pyramid.
@@ -57,7 +60,7 @@ class SelectConfig:
     query_tile: int = 1
     # Beam at the lowest internal level (level 2); None: ``beam``. Read it through ``beam_at``.
     beam_leaf: int | None = None
-    # How a tile's tokens combine their group scores of a candidate: one of TILE_REDUCES.
+    # How a tile's tokens score a candidate together: one of TILE_REDUCES.
     tile_reduce: str = "sum"
 
     def beam_at(self, level: int) -> int:

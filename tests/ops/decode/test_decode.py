@@ -1,12 +1,20 @@
 """``pisa.ops.decode``: the input checks of a decode step (``check_decode``), the dispatch of
 ``decode_step`` and chunked prefill against a cache (``prefill_with_cache``)."""
+import dataclasses
 import importlib.util
 
 import pytest
 import torch
 
+import pisa.ops.decode as decode_ops
+from pisa import PisaCache, pisa_attn
+from pisa.ops.attn.naive import naive_attn
 from pisa.ops.decode import check_decode, decode_step, prefill_with_cache
+from pisa.ops.decode.kvcache import bounds_from_keys
 from pisa.ops.decode.torch_backend import decode_torch
+from pisa.ops.pyramid import build_pyramid
+from pisa.ops.select import tiles_to_tokens
+from pisa.ops.select.naive import naive_select
 from pisa.ops.utils.config import SelectConfig
 from tests.ops.conftest import INTERPRET
 from tests.ops.decode.common import filled_cache, make_cache, oracle_rows, pyramid_sums
@@ -156,3 +164,138 @@ def test_decode_lengths_out_of_range_give_nan_rows(rng):
         assert o[2].isnan().all() and lse[2].isnan().all()
         torch.testing.assert_close(o[1:2].float(), ok_o.float(), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(lse[1:2], ok_lse, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection v2 knobs (PISA_SPEC.md §11): beam_leaf, scorer="bound", query_tile
+# ------------------------------------------------------------------------------------------------
+def _at(x, pos):
+    """Rows ``x[b, pos[b] + i]`` for ``pos [B, L]``: ``[B, L, ...]``."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], pos]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_with_new_knobs_reproduces_prefill_rows(backend, rng):
+    """Token by token through ``PisaCache(bounds=True)`` (ragged prefill, then ``append``) and
+    ``decode_step``: every decoded row equals that row of ``pisa_attn`` (torch) over the whole
+    sequence, with ``beam_leaf != beam`` (wider and narrower), ``scorer="bound"``, and both. The
+    Triton backend (the interpreter on CPU) runs fp32, torch fp64. The knobs change some rows'
+    selection, so the match is not the plain walk's."""
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("needs triton")
+    dev = "cuda" if backend == "triton" and not INTERPRET else "cpu"
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    B, T, H, G, D, C, K, W = 2, 224, 1, 2, 16, 16, 4, 1  # 14 leaves, 5 levels
+    start = [190, 150]
+    gen = torch.Generator().manual_seed(rng)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen, dtype=dtype).to(dev) for h in (H * G, H, H))
+    changed = 0
+    for beam_leaf, scorer in ((3, "lse"), (None, "bound"), (5, "bound"), (2, "bound")):
+        W_ = 2 if beam_leaf == 2 else W  # beam_leaf narrower than beam
+        cfg = SelectConfig(C, K, 2, W_, scorer, "pyramid", True, D ** -0.5, beam_leaf=beam_leaf)
+        want = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, beam_leaf=beam_leaf,
+                         scorer=scorer, backend="torch")
+        plain = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, backend="torch")
+        cache = PisaCache.from_prefill(k[:, :max(start)], v[:, :max(start)], max_seqlen=T,
+                                       seqlens=start, block_size=C, bounds=True)
+        for _ in range(3):
+            pos = cache.cache_seqlens.long()[:, None]
+            cache.append(_at(k, pos), _at(v, pos))
+            check_decode(_at(q, pos), cache.k_cache, cache.v_cache, cache.sums,
+                         cache.cache_seqlens, cfg, cache.mins, cache.maxs)
+            o, _ = decode_step(_at(q, pos), cache.k_cache, cache.v_cache, cache.sums,
+                               cache.cache_seqlens, cfg, backend, cache.mins, cache.maxs)
+            for b in range(B):
+                t = int(pos[b])
+                torch.testing.assert_close(o[b, 0], want[b, t], rtol=tol, atol=tol,
+                                           msg=f"{beam_leaf} {scorer} t={t} seed {rng}")
+                changed += not torch.allclose(want[b, t], plain[b, t])
+    assert changed, "the knobs never changed a row: the test proves nothing"
+
+
+def test_decode_step_is_per_token_whatever_the_query_tile(rng):
+    """A decode step ignores ``query_tile`` / ``tile_reduce``: the per-token result."""
+    cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=1, scale=0.25, beam_leaf=2)
+    seqlens = [200, 77]
+    q, k, v, sums, lens = make_cache(2, 256, 1, 2, 16, seqlens, 16, 2, seed=rng)
+    want = decode_step(q, k, v, sums, lens, cfg, "torch")
+    for tile, reduce in ((4, "lse"), (16, "qmean"), (8, "sum")):
+        tiled = dataclasses.replace(cfg, query_tile=tile, tile_reduce=reduce)
+        for backend in ["torch"] + (["triton"] if HAS_TRITON else []):
+            dev = "cuda" if backend == "triton" and not INTERPRET else "cpu"
+            o, lse = decode_step(*(x.to(dev) for x in (q, k, v, sums, lens)), tiled, backend)
+            torch.testing.assert_close(o.cpu(), want[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(lse.cpu(), want[1], rtol=1e-4, atol=1e-4)
+
+
+def test_bound_decode_needs_the_cache_bounds():
+    cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=2, scorer="bound", scale=0.25)
+    q, k, v, sums, lens = make_cache(1, 64, 1, 2, 16, [40], 16, 2)
+    with pytest.raises(ValueError, match="bounds=True"):
+        check_decode(q, k, v, sums, lens, cfg)
+    mins, maxs = bounds_from_keys(k, lens, 16, 2)
+    check_decode(q, k, v, sums, lens, cfg, mins, maxs)
+    with pytest.raises(ValueError, match="key bounds"):
+        decode_torch(q, k, v, sums, lens, cfg)
+    flat = dataclasses.replace(cfg, selector="flat_lse")  # the flat scans read no bounds
+    check_decode(q, k, v, sums, lens, flat)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's log(0) in the interpreter
+@pytest.mark.parametrize("backend", ["torch", "naive"] + (["triton"] if HAS_TRITON else []))
+@pytest.mark.parametrize("knobs", [dict(beam_leaf=4), dict(scorer="bound"),
+                                   dict(scorer="bound", beam_leaf=3, query_tile=4),
+                                   dict(query_tile=8, tile_reduce="lse")],
+                         ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_prefill_with_cache_new_knobs_equal_the_oracle(backend, knobs, rng):
+    """Chunked prefill with ``beam_leaf``, the bound scorer (the cache's bounds handed to the
+    selection) and query tiles (tile rows expanded to the tokens) against the fp64 oracle:
+    ``naive_select`` by tiles, ``tiles_to_tokens``, ``naive_attn``."""
+    dev = "cuda" if backend == "triton" and not INTERPRET else "cpu"
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    B, T, H, G, D, L, C = 2, 200, 1, 2, 16, 9, 16
+    cfg = SelectConfig(C, 4, 2, 1, knobs.get("scorer", "lse"), "pyramid", True, D ** -0.5,
+                       query_tile=knobs.get("query_tile", 1), beam_leaf=knobs.get("beam_leaf"),
+                       tile_reduce=knobs.get("tile_reduce", "sum"))
+    gen = torch.Generator().manual_seed(rng)
+    q = torch.randn(B, L, H * G, D, generator=gen, dtype=torch.float64)
+    k, v = torch.randn(2, B, T, H, D, generator=gen, dtype=torch.float64)
+    for seqlens in ([190, 150], [170, 170]):
+        cache = filled_cache(k.to(dtype), v.to(dtype), seqlens, T, C, 2)
+        mins, maxs = bounds_from_keys(cache[0], cache[3], C, 2)
+        o, _ = prefill_with_cache(q.to(dtype).to(dev), *(x.to(dev) for x in cache[:3]), seqlens,
+                                  cfg, backend, mins.to(dev), maxs.to(dev))
+        for b, n in enumerate(seqlens):
+            qb, kb, vb = q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n]
+            idx, cnt = naive_select(qb, kb, cfg)
+            idx, _ = tiles_to_tokens(idx, cnt, L, n, cfg.query_tile)
+            want, _ = naive_attn(qb, kb, vb, idx, C, cfg.scale)
+            tol = 1e-4 if dtype == torch.float32 else 1e-10
+            torch.testing.assert_close(o[b:b + 1].cpu().double(), want, rtol=tol, atol=tol,
+                                       msg=f"{seqlens} b={b} seed {rng}")
+
+
+def test_prefill_with_cache_hands_the_bounds_to_the_selection(monkeypatch, rng):
+    """With the cache's bounds, the selection's pyramid carries them (rows of the prefix
+    geometry); without them (or for another scorer) it has none."""
+    seen = []
+    real = decode_ops.select
+
+    def spy(q, k, cfg, backend, pyramid=None):
+        seen.append(pyramid)
+        return real(q, k, cfg, backend, pyramid)
+    monkeypatch.setattr(decode_ops, "select", spy)
+    cfg = SelectConfig(block_size=8, topk=4, branching=2, beam=2, scorer="bound", scale=0.25)
+    q = torch.randn(1, 3, 2, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 1, 100, 1, 16, dtype=torch.float64)
+    cache = filled_cache(k, v, [90], 100, 8, 2)
+    mins, maxs = bounds_from_keys(cache[0], cache[3], 8, 2)
+    prefill_with_cache(q, *cache[:3], [90], cfg, "torch", mins, maxs)
+    want = build_pyramid(k[:, :90], 8, 2, "torch", bounds=True)
+    assert torch.equal(seen[-1].mins, want.mins) and torch.equal(seen[-1].maxs, want.maxs)
+    prefill_with_cache(q, *cache[:3], [90], dataclasses.replace(cfg, scorer="lse"), "torch",
+                       mins, maxs)
+    assert seen[-1].mins is None
+    prefill_with_cache(q, *cache[:3], [90], cfg, "torch")  # the selection builds its own
+    assert seen[-1].mins is None

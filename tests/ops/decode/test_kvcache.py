@@ -1,9 +1,13 @@
-"""``pisa.ops.decode.kvcache``: appends keep the pyramid sums exact; the cache checks."""
+"""``pisa.ops.decode.kvcache``: appends keep the pyramid sums (and the optional key bounds)
+exact; the cache checks."""
+import math
+
 import pytest
 import torch
 
-from pisa.ops.decode.kvcache import (append_kv, check_cache, node_counts, pyramid_from_sums,
-                                    write_kv)
+from pisa.ops.decode.kvcache import (append_kv, bounds_from_keys, check_cache, empty_bounds,
+                                     node_counts, pyramid_from_sums, write_kv)
+from pisa.ops.pyramid import build_pyramid
 from pisa.ops.pyramid.torch_backend import build_pyramid_torch
 from pisa.ops.utils.geometry import compute_dtype, level_offsets
 
@@ -45,8 +49,8 @@ def test_sums_equal_rebuilt_pyramid_after_random_appends(dtype, C, g, rng):
     torch.testing.assert_close(sums, _rebuilt_sums(k_ref.to(sums.dtype), lens, T, C, g), **tol)
     for b in range(B):
         n = int(lens[b])
-        assert torch.equal(k_cache[b, :n], k_ref[b, :n]) and torch.equal(v_cache[b, :n],
-                                                                          v_ref[b, :n])
+        assert torch.equal(k_cache[b, :n], k_ref[b, :n])
+        assert torch.equal(v_cache[b, :n], v_ref[b, :n])
         assert k_cache[b, n:].isnan().all(), "nothing written past the sequence"
         got = pyramid_from_sums(sums[b:b + 1], n, C, g)
         want = build_pyramid_torch(k_ref[b:b + 1, :n].to(sums.dtype), C, g)
@@ -141,6 +145,85 @@ def test_pyramid_from_sums_rejects_bad_input():
 def test_check_cache_returns_offsets():
     k_cache, v_cache, sums, lens = _empty_cache(1, 40, 1, 4, 8, 2)
     assert check_cache(k_cache, v_cache, sums, lens, 8, 2) == level_offsets(40, 8, 2)
+
+
+def _assert_bounds_match_keys(mins, maxs, k_ref, lens, C, g):
+    """Each sequence's cache bounds (``T_max`` geometry) against ``build_pyramid(..., "torch",
+    bounds=True)`` of its prefix: equal node by node (min / max are exact), and every node without
+    a real key (past the prefix's pyramid, or its nodes past the prefix) ``+inf`` / ``-inf``."""
+    T = k_ref.shape[1]
+    full = level_offsets(T, C, g)
+    for b in range(k_ref.shape[0]):
+        n = int(lens[b])
+        real = node_counts(n, full, C, g) > 0
+        assert torch.isposinf(mins[b][~real]).all() and torch.isneginf(maxs[b][~real]).all()
+        if n == 0:
+            continue
+        got = pyramid_from_sums(torch.zeros_like(mins[b:b + 1]), n, C, g, mins[b:b + 1],
+                                maxs[b:b + 1])
+        want = build_pyramid(k_ref[b:b + 1, :n].to(mins.dtype), C, g, "torch", bounds=True)
+        assert got.offsets == want.offsets
+        assert torch.equal(got.mins, want.mins) and torch.equal(got.maxs, want.maxs), b
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("C,g", [(8, 2), (4, 3)])
+def test_bounds_equal_rebuilt_pyramid_after_appends(dtype, C, g, rng):
+    """One token at a time, chunks, and one sequence alone (ragged lengths): after each round of
+    appends the bounds equal amin / amax of each sequence's real keys under every node, and
+    ``bounds_from_keys`` over the cache rebuilds them exactly. Slots past the lengths hold NaN."""
+    B, T, H, D = 3, 203, 2, 4
+    k_cache, v_cache, sums, lens = _empty_cache(B, T, H, D, C, g, dtype)
+    mins, maxs = empty_bounds(sums)
+    assert mins.dtype == sums.dtype and mins.shape == sums.shape
+    k_ref = torch.randn(B, T, H, D).to(dtype)
+    steps = [(slice(None), 1)] * 3 + [(slice(None), 17), (slice(1, 2), 40), (slice(2, 3), 1),
+                                      (slice(None), 64), (slice(0, 1), 5), (slice(None), 1)]
+    for rows, L in steps:
+        s = lens[rows].long()[:, None] + torch.arange(L)
+        b = torch.arange(B)[rows][:, None]
+        append_kv(k_cache[rows], v_cache[rows], sums[rows], k_ref[b, s], k_ref[b, s], lens[rows],
+                  C, g, mins[rows], maxs[rows])
+        lens[rows] += L
+        _assert_bounds_match_keys(mins, maxs, k_ref, lens, C, g)
+    assert len(set(lens.tolist())) == B, "ragged lengths"
+    rebuilt = bounds_from_keys(k_cache, lens, C, g)
+    assert torch.equal(rebuilt[0], mins) and torch.equal(rebuilt[1], maxs)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sums, _rebuilt_sums(k_ref.to(sums.dtype), lens, T, C, g), **tol)
+
+
+def test_bounds_from_keys_in_chunks_with_empty_and_ragged_sequences():
+    """``bounds_from_keys`` in many leaf chunks (down to one leaf a chunk) and in one equals the
+    pyramid's bounds of each prefix: an empty sequence has none, a ragged last leaf bounds its
+    real keys only (the NaN keys after them are never read)."""
+    B, T, H, D, C, g = 3, 77, 1, 4, 4, 2
+    k = torch.randn(B, T, H, D)
+    lens = torch.tensor([0, 77, 30], dtype=torch.int32)
+    k_nan = k.clone()
+    k_nan[2, 30:] = math.nan
+    k_nan[0] = math.nan
+    for chunk in (1, 3 * C * H * D * 5, 1 << 24):
+        mins, maxs = bounds_from_keys(k_nan, lens, C, g, chunk_elems=chunk)
+        _assert_bounds_match_keys(mins, maxs, k, lens, C, g)
+
+
+def test_write_kv_without_bounds_and_bound_checks():
+    """``write_kv`` without bounds leaves them alone; ``check_cache`` wants both bounds or
+    neither, each in the layout of sums."""
+    k_cache, v_cache, sums, lens = _empty_cache(1, 40, 1, 4, 8, 2)
+    mins, maxs = empty_bounds(sums)
+    x = torch.randn(1, 3, 1, 4, dtype=torch.float64)
+    write_kv(k_cache, v_cache, sums, x, x, lens, 8, 2)
+    assert torch.isposinf(mins).all() and torch.isneginf(maxs).all()
+    check_cache(k_cache, v_cache, sums, lens, 8, 2, mins, maxs)
+    with pytest.raises(ValueError, match="given together"):
+        check_cache(k_cache, v_cache, sums, lens, 8, 2, mins, None)
+    for bad in (mins.float(), mins[:, :-1], mins.repeat(1, 1, 1, 2)[..., ::2]):
+        with pytest.raises(ValueError, match="mins must be"):
+            check_cache(k_cache, v_cache, sums, lens, 8, 2, bad, maxs)
+    with pytest.raises(TypeError, match="maxs must be a torch.Tensor"):
+        check_cache(k_cache, v_cache, sums, lens, 8, 2, mins, [0.0])
 
 
 @pytest.mark.gpu

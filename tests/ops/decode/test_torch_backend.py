@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pisa.ops.attn.naive import naive_dense_attn
+from pisa.ops.decode.kvcache import empty_bounds, write_kv
 from pisa.ops.decode.torch_backend import decode_torch
 from pisa.ops.utils.config import SelectConfig
 from tests.ops.decode.common import filled_cache, oracle_rows
@@ -36,6 +37,39 @@ def test_decode_equals_naive_oracle_mixed_lengths(case, rng):
     o, lse = decode_torch(q, *filled_cache(k, v, seqlens, T, C, g), cfg)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == (B, H * G, 1) and lse.dtype == torch.float32
+    want_o, want_lse = oracle_rows(q, k, v, seqlens, cfg)
+    torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10, msg=f"seed {rng}")
+    torch.testing.assert_close(lse, want_lse.float(), rtol=1e-6, atol=1e-6)
+
+
+CASES_V2 = [  # G, C, g, W, beam_leaf, K, scorer, forced_in_budget
+    (2, 8, 2, 2, 5, 5, "lse", True),
+    (2, 8, 2, 4, 1, 5, "lse", True),
+    (4, 8, 2, 2, None, 5, "bound", True),
+    (2, 4, 3, 2, 7, 6, "bound", False),
+    (2, 8, 4, 1, 3, 4, "bound", True),
+]
+
+
+@pytest.mark.parametrize("case", CASES_V2, ids=lambda c: "-".join(map(str, c)))
+def test_decode_v2_knobs_equal_naive_oracle_mixed_lengths(case, rng):
+    """``beam_leaf`` (through ``walk``'s ``beam_at``) and ``scorer="bound"`` (the cache's key
+    bounds, built here by appends): each sequence's step equals the last row of the oracle's
+    prefill over its keys (slots past a length hold NaN and never enter a bound)."""
+    G, C, g, W, W2, K, scorer, fib = case
+    B, T, H, D = 6, 307, 2, 16
+    seqlens = [1, K * C, K * C + 1] + torch.randint(K * C + 2, T + 1, (B - 3,)).tolist()
+    q = torch.randn(B, 1, H * G, D, dtype=torch.float64)
+    k, v = torch.randn(2, B, T, H, D, dtype=torch.float64)
+    cfg = SelectConfig(C, K, g, W, scorer, "pyramid", fib, D ** -0.5, beam_leaf=W2)
+    k_cache, v_cache, sums, lens = filled_cache(k, v, seqlens, T, C, g)
+    mins, maxs = empty_bounds(sums)
+    empty = torch.zeros_like(lens)
+    for b, n in enumerate(seqlens):  # the bounds by appends, as the cache keeps them
+        rows = slice(b, b + 1)
+        write_kv(k_cache[rows].clone(), v_cache[rows].clone(), sums[rows].clone(), k[rows, :n],
+                 v[rows, :n], empty[rows], C, g, mins[rows], maxs[rows])
+    o, lse = decode_torch(q, k_cache, v_cache, sums, lens, cfg, mins=mins, maxs=maxs)
     want_o, want_lse = oracle_rows(q, k, v, seqlens, cfg)
     torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10, msg=f"seed {rng}")
     torch.testing.assert_close(lse, want_lse.float(), rtol=1e-6, atol=1e-6)

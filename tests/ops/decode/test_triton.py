@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pisa.ops.attn import sparse_attn
 from pisa.ops.attn.naive import naive_dense_attn
-from pisa.ops.decode.kvcache import append_kv
+from pisa.ops.decode.kvcache import append_kv, bounds_from_keys, empty_bounds
 from pisa.ops.select import select
 from pisa.ops.select.naive import naive_select
 from pisa.ops.utils.config import SelectConfig
@@ -26,13 +26,19 @@ from tests.ops.decode.common import assert_matches, make_cache, oracle, pyramid_
 
 pytest.importorskip("triton")  # conftest sets TRITON_INTERPRET=1 without CUDA
 
-from pisa.ops.decode.triton import decode_triton  # noqa: E402
+from pisa.ops.decode.torch_backend import decode_torch  # noqa: E402
+from pisa.ops.decode.triton import beam_widths, decode_triton  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = pytest.mark.usefixtures("fast_interpreter", "poison_outputs")
 
 
 def run(q, k, v, sums, lens, cfg, **kw):
+    if cfg.scorer == "bound" and "mins" not in kw:  # the bounds of each sequence's real keys
+        kw["mins"], kw["maxs"] = bounds_from_keys(k, lens, cfg.block_size, cfg.branching)
+    for name in ("mins", "maxs"):
+        if kw.get(name) is not None:
+            kw[name] = kw[name].to(DEVICE)
     o, lse, idx = decode_triton(*(x.to(DEVICE) for x in (q, k, v, sums, lens)), cfg,
                                 return_block_idx=True, **kw)
     return o.cpu(), lse.cpu(), idx.cpu()
@@ -177,6 +183,120 @@ def test_rejects_what_the_kernel_cannot_run():
     q48, k48, v48, s48, _ = make_cache(1, 64, 1, 2, 48, [40], 16, 2)
     with pytest.raises(ValueError, match="head dims"):
         decode_triton(q48, k48, v48, s48, lens, cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection v2: beam_leaf (the level-2 beam) and scorer="bound"
+# ------------------------------------------------------------------------------------------------
+# (B, HKV, G, C, g, W, beam_leaf, scorer, K, T_max, seqlens, num_splits, dtype)
+V2_CASES = [
+    (3, 1, 4, 16, 2, 2, 5, "lse", 6, 512, [512, 300, 37], 2, torch.float32),  # wider level 2
+    (3, 1, 2, 16, 2, 4, 1, "lse", 6, 512, [512, 301, 100], 1, torch.float32),  # narrower
+    (2, 1, 2, 16, 2, 1, 40, "lse", 4, 1024, [1024, 700], 2, torch.float32),  # WPL capped: 16
+    (2, 2, 2, 16, 4, 1, 3, "lse", 4, 1024, [1024, 769], 3, torch.float32),
+    (3, 1, 4, 16, 2, 2, None, "bound", 6, 512, [512, 300, 37], 2, torch.float32),
+    (2, 2, 2, 16, 4, 3, 9, "bound", 5, 410, [410, 90], 1, torch.float32),
+    (2, 1, 2, 16, 2, 3, 2, "bound", 4, 1024, [1000, 513], 4, torch.float32),
+    (2, 2, 2, 32, 2, 2, 4, "bound", 5, 448, [447, 200], 2, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", V2_CASES, ids=lambda c: "-".join(map(str, c[:12])))
+def test_decode_v2_knobs_match_oracle(case):
+    """``beam_leaf`` wider than ``beam`` (a second register width at level 2, capped at a
+    level's candidates), narrower, and ``scorer="bound"`` (the bounds of each sequence's real
+    keys; the garbage keys past a length never enter them) against the oracle."""
+    B, HKV, G, C, g, W, W2, scorer, K, T_max, seqlens, splits, dtype = case
+    cfg = SelectConfig(block_size=C, topk=K, branching=g, beam=W, scorer=scorer,
+                       scale=16 ** -0.5, beam_leaf=W2)
+    q, k, v, sums, lens = make_cache(B, T_max, HKV, G, 16, seqlens, C, g, dtype, seed=T_max + W)
+    want = oracle(q, k, v, seqlens, cfg)
+    assert_matches(run(q, k, v, sums, lens, cfg, num_splits=splits), want,
+                   1e-4 if dtype == torch.float32 else 1e-2)
+
+
+# (T_max, C, g, W, W2, seqlens): where the level-2 beam decides the walk's entry level. 64
+# leaves, g=2, C=16; a query in leaf c has (c - 1) // 4 - 1 free level-3 nodes and (c - 1) // 2 - 1
+# free level-2 nodes. Length 410 (leaf 25: 5 and 11), W=4, W2=16: level 3 is ranked, so level 2
+# ranks its candidates (and keeps all of them, <= 16) though its free nodes fit W2. 570 (leaf 35:
+# 7 and 16), W=8, W2=16: both skipped, the leaf stage takes all 16. 340 (leaf 21: 4 and 9), W=8,
+# W2=4 and W=4, W2=8: level 3 skipped, level 2 ranked first. Full caches rank both.
+ENTRY_V2 = [(1024, 16, 2, 4, 16, [410, 1024]), (1024, 16, 2, 8, 16, [570, 1024]),
+            (1024, 16, 2, 8, 4, [340, 1024]), (1024, 16, 2, 4, 8, [340, 600]),
+            (64, 16, 4, 1, 3, [64, 40])]
+
+
+@pytest.mark.parametrize("case", ENTRY_V2, ids=lambda c: "-".join(map(str, c[:5])))
+def test_walk_entry_level_with_a_level_2_beam(case):
+    T_max, C, g, W, W2, seqlens = case
+    for scorer in ("lse", "bound"):
+        cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=W, scorer=scorer, scale=0.25,
+                           beam_leaf=W2)
+        q, k, v, sums, lens = make_cache(len(seqlens), T_max, 1, 2, 16, seqlens, C, g, seed=W2)
+        assert_matches(run(q, k, v, sums, lens, cfg, num_splits=2), oracle(q, k, v, seqlens, cfg),
+                       1e-4)
+
+
+def test_beam_leaf_none_is_the_single_beam_kernel():
+    """``beam_leaf=None`` and ``beam_leaf=beam`` give the single-beam kernel's constexprs (one
+    register width) and bitwise the same outputs and selection, the oracle's."""
+    cfg = SelectConfig(block_size=16, topk=5, branching=2, beam=3, scale=0.25)
+    assert beam_widths(cfg, 32) == (3, 4, 3, 4)
+    same = SelectConfig(**{**cfg.__dict__, "beam_leaf": 3})
+    assert beam_widths(same, 32) == beam_widths(cfg, 32)
+    assert beam_widths(SelectConfig(**{**cfg.__dict__, "beam_leaf": 40}), 64) == (3, 4, 40, 16)
+    seqlens = [333, 160]
+    q, k, v, sums, lens = make_cache(2, 336, 1, 2, 16, seqlens, 16, 2, seed=4)
+    got = run(q, k, v, sums, lens, cfg, num_splits=2)
+    assert_matches(got, oracle(q, k, v, seqlens, cfg), 1e-4)
+    for x, y in zip(got, run(q, k, v, sums, lens, same, num_splits=2)):
+        assert torch.equal(x, y)
+
+
+def test_bound_token_by_token_with_append():
+    """The serving loop with bounds: ``append_kv`` keeps sums and bounds, decode ranks by them."""
+    B, T_max, HKV, G, D, C, g = 2, 160, 1, 2, 16, 16, 2
+    cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=1, scorer="bound", scale=0.25,
+                       beam_leaf=2)
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(B, T_max, HKV, D, generator=gen)
+    v = torch.randn(B, T_max, HKV, D, generator=gen)
+    k_cache = torch.full_like(k, float("nan"))
+    v_cache = torch.full_like(v, float("nan"))
+    sums = torch.zeros(B, level_offsets(T_max, C, g)[-1], HKV, D)
+    mins, maxs = empty_bounds(sums)
+    lens = torch.zeros(B, dtype=torch.int32)
+    for b, n in enumerate((120, 141)):
+        append_kv(k_cache[b:b + 1], v_cache[b:b + 1], sums[b:b + 1], k[b:b + 1, :n],
+                  v[b:b + 1, :n], lens[b:b + 1], C, g, mins[b:b + 1], maxs[b:b + 1])
+        lens[b] = n
+    for step in range(3):
+        pos = lens.long()
+        append_kv(k_cache, v_cache, sums, k[torch.arange(B), pos][:, None],
+                  v[torch.arange(B), pos][:, None], lens, C, g, mins, maxs)
+        lens += 1
+        q = torch.randn(B, 1, HKV * G, D, generator=gen)
+        want = oracle(q, k, v, lens.tolist(), cfg)
+        assert_matches(run(q, k_cache, v_cache, sums, lens, cfg, num_splits=2, mins=mins,
+                           maxs=maxs), want, 1e-4)
+
+
+def test_rejects_what_the_v2_kernel_cannot_run():
+    cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=2, scale=0.25)
+    q, k, v, sums, lens = make_cache(1, 64, 1, 2, 16, [40], 16, 2)
+    mins, maxs = bounds_from_keys(k, lens, 16, 2)
+    bound = SelectConfig(**{**cfg.__dict__, "scorer": "bound"})
+    with pytest.raises(ValueError, match="key bounds"):
+        decode_triton(q, k, v, sums, lens, bound)
+    with pytest.raises(ValueError, match="strides of sums"):
+        decode_triton(q, k, v, sums, lens, bound, mins=mins[:, :-1], maxs=maxs[:, :-1])
+    with pytest.raises(ValueError, match="beam_leaf >= 1"):
+        decode_triton(q, k, v, sums, lens, SelectConfig(**{**cfg.__dict__, "beam_leaf": 0}))
+    wide = SelectConfig(**{**cfg.__dict__, "beam": 128, "beam_leaf": 512})
+    with pytest.raises(ValueError, match="beam_leaf=512 is too wide"):
+        beam_widths(wide, 4096)
+    with pytest.raises(ValueError, match="beam=300 is too wide"):
+        beam_widths(SelectConfig(**{**cfg.__dict__, "beam": 300}), 4096)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,3 +474,77 @@ def test_gpu_cuda_graph_replay_equals_eager():
         torch.cuda.synchronize()
         assert torch.equal(out[0], o_want) and torch.equal(out[1], lse_want)
     assert torch.equal(state[3], eager_state[3])
+
+
+@gpu
+@pytest.mark.parametrize("beam_leaf,scorer,splits", [(32, "lse", None), (8, "lse", 1),
+                                                     (None, "bound", None), (32, "bound", 2)])
+def test_gpu_v2_decode_matches_torch_backend(beam_leaf, scorer, splits):
+    """bf16 at 32K (batch 3, mixed lengths) with ``beam_leaf`` and / or ``scorer="bound"``: the
+    selection equals the fp32 torch backend's (prefill selection of the last row) up to
+    near-ties, the output the fp32 attention over the Triton kernel's own selection, and the
+    torch backend's decode step of the same cache (fp32) for nearly every head."""
+    B, HKV, G, D, T_max = 3, 4, 8, 128, 32768
+    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=16, scorer=scorer,
+                       scale=D ** -0.5, beam_leaf=beam_leaf)
+    seqlens = [T_max, T_max * 3 // 4 + 5, 777]
+    _, k, v = _qkv(B, T_max, HKV, 0, D, seed=31)
+    q = _qkv(B, 1, HKV, G, D, seed=32)[0]
+    k_cache, v_cache, sums, lens = _gpu_cache(k, v, seqlens, T_max, cfg)
+    mins, maxs = bounds_from_keys(k_cache, lens, cfg.block_size, cfg.branching)
+    o, lse, idx = decode_triton(q, k_cache, v_cache, sums, lens, cfg, mins=mins, maxs=maxs,
+                                num_splits=splits, return_block_idx=True)
+    f32 = [x.float() for x in (q, k_cache, v_cache)]
+    want_o, _ = decode_torch(f32[0], f32[1], f32[2], sums, lens, cfg, mins=mins, maxs=maxs)
+    ref_idx, ref_o, ref_lse = _reference(q, k, v, seqlens, idx, cfg)
+    same = (idx == ref_idx).all(-1).float().mean().item()
+    assert same >= 0.9, f"(sequence, KV head) rows selected as by fp32 torch: {same:.3f}"
+    assert _rel(o, ref_o) < 1e-2
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-2)
+    head_err = (o.float() - want_o).norm(dim=-1) / want_o.norm(dim=-1)  # [B, 1, HQ]
+    close = (head_err < 2e-2).float().mean().item()
+    assert close >= 0.9, f"heads as the torch decode step's: {close:.3f}"
+
+
+@gpu
+def test_gpu_append_with_bounds_is_captured_by_a_cuda_graph():
+    """append_kv with the key bounds + decode_triton with scorer="bound" and beam_leaf, captured
+    once: replays equal the same steps run eagerly."""
+    B, T_max, HKV, G, D = 2, 8192, 2, 8, 128
+    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=8, scorer="bound",
+                       scale=D ** -0.5, beam_leaf=32)
+    seqlens = [5000, 8000]
+    _, k, v = _qkv(B, T_max, HKV, 0, D, seed=41)
+    k_cache, v_cache, sums, lens = _gpu_cache(k, v, seqlens, T_max, cfg)
+    mins, maxs = bounds_from_keys(k_cache, lens, cfg.block_size, cfg.branching)
+    state0 = [k_cache, v_cache, sums, lens, mins, maxs]
+    inputs = [_qkv(B, 1, HKV, G, D, seed=50 + i) for i in range(2)]
+
+    def step(state, q, k_new, v_new):
+        kc, vc, s, n, lo, hi = state
+        append_kv(kc, vc, s, k_new, v_new, n, cfg.block_size, cfg.branching, lo, hi)
+        n.add_(1)
+        return decode_triton(q, kc, vc, s, n, cfg, mins=lo, maxs=hi)
+
+    eager_state = [x.clone() for x in state0]
+    eager = [step(eager_state, *x) for x in inputs]
+    warm = [x.clone() for x in state0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(warm, *inputs[0])
+    torch.cuda.current_stream().wait_stream(side)
+    state = [x.clone() for x in state0]
+    static = [torch.empty_like(x) for x in inputs[0]]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(state, *static)
+    for x, (o_want, lse_want) in zip(inputs, eager):
+        for dst, src in zip(static, x):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], o_want) and torch.equal(out[1], lse_want)
+    for a, b in zip(state, eager_state):
+        assert torch.equal(a, b)

@@ -23,10 +23,12 @@ def test_build_pyramid_dispatches(backend, rng):
 
 
 def test_build_pyramid_bounds(rng):
-    """``bounds=True`` builds mins and maxs in torch; the Triton builder has none yet."""
-    k = torch.randn(1, 50, 2, 16)
-    pyr = build_pyramid(k, 8, 2, "torch", bounds=True)
-    assert torch.equal(pyr.maxs, build_pyramid_torch(k, 8, 2, bounds=True).maxs)
-    assert build_pyramid(k, 8, 2, "torch").mins is None
-    with pytest.raises(ValueError, match="not yet supported by the triton backend"):
-        build_pyramid(k, 8, 2, "triton", bounds=True)
+    """``bounds=True`` builds mins and maxs in either backend: the same ones."""
+    pytest.importorskip("triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    k = torch.randn(1, 50, 2, 16, device=dev)
+    want = build_pyramid_torch(k, 8, 2, bounds=True)
+    for backend in ("torch", "triton"):
+        pyr = build_pyramid(k, 8, 2, backend, bounds=True)
+        assert torch.equal(pyr.maxs, want.maxs) and torch.equal(pyr.mins, want.mins), backend
+        assert build_pyramid(k, 8, 2, backend).mins is None

@@ -17,7 +17,9 @@ from tests.ops.select.common import assert_same, inputs
 pytest.importorskip("triton")
 
 DEVICE = "cpu" if INTERPRET else "cuda"
-pytestmark = pytest.mark.usefixtures("fast_interpreter", "poison_empty")
+# the interpreter's NumPy warns on log(0), the -inf of a tile reduction over no token
+pytestmark = [pytest.mark.usefixtures("fast_interpreter", "poison_empty"),
+              pytest.mark.filterwarnings("ignore:divide by zero encountered in log")]
 
 # (selector, forced_in_budget, G, Tk, Tq, C, D, topk, HKV, dtype)
 FLAT_CASES = [
@@ -44,6 +46,30 @@ def test_flat_select_matches_naive(case):
     q, k = inputs(1, Tk, Tq, HKV, G, D, dtype, seed=Tk + K)
     got = select(q.to(DEVICE), k.to(DEVICE), cfg, "triton")
     assert_same(got, naive_select(q, k, cfg), f"{selector} {case}")
+
+
+# (selector, query_tile, tile_reduce, G, Tk, Tq, C, D, topk, dtype): first and last tiles partial,
+# 16 * 16 = 256 rows a tile (one tile a program), 16-bit mean queries (head + residual rows)
+TILE_CASES = [
+    ("flat_lse", 4, "lse", 4, 150, 150, 8, 16, 6, torch.float32),
+    ("flat_mean", 8, "sum", 4, 211, 150, 8, 16, 6, torch.float32),
+    ("flat_lse", 16, "sum", 16, 333, 100, 16, 16, 5, torch.float32),
+    ("flat_lse", 16, "qmean", 16, 333, 100, 16, 16, 5, torch.float32),
+    ("flat_mean", 4, "qmean", 4, 333, 100, 16, 16, 5, torch.float16),
+    ("flat_lse", 4, "qmean", 4, 333, 100, 16, 32, 5, torch.float16),
+    ("flat_mean", 2, "lse", 1, 63, 63, 4, 16, 5, torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: "-".join(map(str, c[:9])))
+def test_flat_tile_select_matches_naive(case):
+    """Tiles of ``query_tile`` tokens share one flat selection: rows per tile, equal to the
+    oracle's for every token reduction."""
+    selector, Qt, reduce, G, Tk, Tq, C, D, K, dtype = case
+    cfg = SelectConfig(C, K, 2, K, "lse", selector, True, D ** -0.5, Qt, None, reduce)
+    q, k = inputs(1, Tk, Tq, 2, G, D, dtype, seed=Tk + Qt)
+    got = select(q.to(DEVICE), k.to(DEVICE), cfg, "triton")
+    assert_same(got, naive_select(q, k, cfg), f"{case}")
 
 
 @pytest.mark.gpu

@@ -31,8 +31,13 @@ CASES = [  # Qt, Tq, Tk, G, D, C, g, W, W2, K, scorer, selector, fib, reduce, dt
     (16, 250, 517, 1, 16, 16, 2, 3, 1, 6, "lse", "pyramid", False, "sum", "fp32"),
     (64, 700, 777, 4, 16, 64, 2, 1, 3, 5, "lse", "pyramid", True, "sum", "fp64"),
     (64, 300, 1000, 16, 16, 64, 2, 2, None, 5, "bound", "pyramid", True, "lse", "fp32"),
+    (4, 101, 299, 16, 16, 8, 2, 3, 5, 6, "lse", "pyramid", True, "qmean", "fp64"),
+    (16, 333, 333, 4, 64, 16, 2, 2, 4, 5, "bound", "pyramid", False, "qmean", "fp32"),
+    (2, 63, 63, 1, 16, 4, 2, 2, None, 5, "meanvar", "pyramid", True, "qmean", "fp64"),
     (4, 150, 150, 4, 16, 8, 2, 3, None, 6, "lse", "flat_lse", True, "lse", "fp64"),
     (8, 150, 211, 4, 16, 8, 2, 3, None, 6, "lse", "flat_mean", False, "sum", "fp64"),
+    (4, 150, 150, 4, 16, 8, 2, 3, None, 6, "lse", "flat_lse", True, "qmean", "fp64"),
+    (8, 150, 211, 4, 16, 8, 2, 3, None, 6, "lse", "flat_mean", False, "qmean", "fp64"),
 ]
 
 
@@ -165,12 +170,23 @@ def test_tiles_through_the_op(rng):
     assert idx.shape == (2, 3, 2, 5) and cnt.shape == (2, 3, 2)  # positions 23..29: tiles 5..7
 
 
-@pytest.mark.parametrize("change,msg", [
-    (dict(scorer="bound"), "bound scorer is not yet supported by the triton backend"),
-    (dict(query_tile=4), "query_tile > 1"), (dict(beam_leaf=4), "beam_leaf != beam")])
-def test_triton_refuses_v2_knobs(change, msg):
-    pytest.importorskip("triton")
-    q, k = _qk(1, 8, 64, 1, 2, 16, torch.float32)
-    cfg = SelectConfig(**{**SelectConfig(block_size=16, topk=4, beam=2).__dict__, **change})
-    with pytest.raises(ValueError, match=msg):
-        select(q, k, cfg, "triton")
+def test_qmean_scores_a_tile_by_its_mean_query(rng):
+    """``tile_reduce="qmean"``: a tile selects as one token whose query is the per-head mean of
+    the tile's real queries (the oracle run on that virtual token at the tile's last position),
+    partial first and last tiles included; with the flat mean scorer (linear in the query) it
+    ranks as ``"sum"`` does."""
+    Tq, Tk, C, Qt = 45, 130, 8, 4
+    q, k = _qk(1, Tq, Tk, 2, 2, 16)
+    cfg = _cfg(C, 5, 2, 2, "lse", Qt=Qt, W2=3, reduce="qmean")
+    want = select_torch(q, k, cfg)
+    assert_same(want, naive_select(q, k, cfg), "qmean: torch vs the oracle")
+    t0 = Tk - Tq
+    per_token = _cfg(C, 5, 2, 2, "lse", W2=3)
+    for j in range(n_query_tiles(Tq, Tk, Qt)):
+        lo, hi = max((t0 // Qt + j) * Qt, t0), min((t0 // Qt + j + 1) * Qt, Tk)
+        q_mean = q[:, lo - t0:hi - t0].mean(1, keepdim=True)
+        alone = naive_select(q_mean, k[:, :hi], per_token)
+        assert_same(alone, (want[0][:, j:j + 1], want[1][:, j:j + 1]), f"tile {j}")
+    flat = [select_torch(q, k, _cfg(C, 5, 2, 2, selector="flat_mean", Qt=Qt, reduce=r))
+            for r in ("sum", "qmean")]
+    assert_same(flat[1], flat[0], "flat_mean: qmean ranks as sum")

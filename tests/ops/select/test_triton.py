@@ -92,7 +92,9 @@ def test_wide_beam_equals_flat(scorer):
 
 
 def test_beam_too_wide_for_the_kernel():
-    q, k = inputs(1, 4 * 400, 1, 1, 1, 16)
+    """Refused before any work: W = 300 needs 1024-wide candidate tiles, and the 1000 level-3
+    nodes of 16000 keys at C = 4 do not cap it."""
+    q, k = inputs(1, 4 * 4000, 1, 1, 1, 16)
     cfg = SelectConfig(block_size=4, topk=4, branching=2, beam=300, scale=0.25)
     with pytest.raises(ValueError, match="too wide"):
         _triton(q, k, cfg)

@@ -247,7 +247,8 @@ def test_leaf_scorer():
     (dict(query_tile=True), TypeError, "query_tile must be an int"),
     (dict(beam_leaf=0), ValueError, "beam_leaf must be a positive int or None"),
     (dict(beam_leaf=2.0), TypeError, "beam_leaf must be an int"),
-    (dict(tile_reduce="max"), ValueError, "tile_reduce must be one of \\('sum', 'lse'\\)"),
+    (dict(tile_reduce="max"), ValueError,
+     "tile_reduce must be one of \\('sum', 'lse', 'qmean'\\)"),
     (dict(scorer="bounds"), ValueError, "scorer must be one of")], ids=lambda x: str(x)[:30])
 def test_v2_knob_checks(knobs, exc, msg):
     """Each new knob is checked by ``check_knobs`` (so by ``resolve_config``), naming it."""
@@ -258,6 +259,7 @@ def test_v2_knob_checks(knobs, exc, msg):
     with pytest.raises(exc, match=msg):
         resolve_config(q, k, "torch", **knobs)
     check_knobs(query_tile=64, beam_leaf=None, tile_reduce="lse", scorer="bound")
+    check_knobs(query_tile=16, tile_reduce="qmean")
     check_knobs(query_tile=1, block_size=4, beam_leaf=32)
 
 
