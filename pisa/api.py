@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from .cache import PisaCache
-from .ops.attn import check_tile_block_idx, sparse_attn
+from .ops.attn import sparse_attn
 from .ops.decode import decode_step, prefill_with_cache, uses_bounds
 from .ops.decode.kvcache import check_cache, check_new_kv, check_seqlens, write_kv
 from .ops.select import select
-from .ops.utils.config import (SelectConfig, check_qk, n_query_tiles, resolve_backend,
-                               resolve_config)
+from .ops.utils.config import (SelectConfig, check_block_idx, check_qk, n_query_tiles,
+                               resolve_backend, resolve_config)
 
 _C, _K, _G = SelectConfig.block_size, SelectConfig.topk, SelectConfig.branching
 
@@ -147,7 +147,7 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if block_idx is not None:
-        check_tile_block_idx(block_idx, q, k, cfg.block_size, cfg.query_tile)
+        check_block_idx(block_idx, q, k, cfg.block_size, cfg.query_tile)
     if _empty_batch(q):
         o, lse = _empty_attn(q, k, v)
     else:

@@ -4,8 +4,8 @@ backwards); ``naive.naive_attn`` is the fp64 oracle.
 
 A selection has a row per query token (``query_tile = 1``, ``[B, Tq, HKV, S]``) or per query tile
 (``query_tile = Qt > 1``, ``[B, n_query_tiles(Tq, Tk, Qt), HKV, S]``: the queries at absolute
-positions ``[i * Qt, (i + 1) * Qt)`` share row ``i - (Tk - Tq) // Qt``); ``check_tile_block_idx``
-validates a caller's.
+positions ``[i * Qt, (i + 1) * Qt)`` share row ``i - (Tk - Tq) // Qt``);
+``utils.config.check_block_idx`` validates a caller's.
 
 Both custom ops are opaque to torch.compile (data-dependent indexing, host syncs inside).
 """
@@ -16,8 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..utils.config import check_block_idx, n_query_tiles
-from ..utils.geometry import cdiv
+from ..utils.config import n_query_tiles
 
 
 @torch.library.custom_op("pisa::sparse_attn", mutates_args=())
@@ -80,11 +79,11 @@ def sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: 
     ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, HKV, D]``, ``block_idx`` int32 (ascending, -1 padded) a
     row per query token ``[B, Tq, HKV, S]`` (``query_tile=1``) or per query tile
     ``[B, n_query_tiles(Tq, Tk, query_tile), HKV, S]`` (``query_tile`` a power of two in
-    ``[1, block_size]``), all checked by the caller (``check_tile_block_idx``; only the row count
-    is checked here); ``scale`` resolved; ``backend`` ``"torch"``, ``"triton"`` or ``"naive"``.
-    Returns ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32, both differentiable in
-    q, k, v. ``deterministic=True`` makes the Triton backward bitwise reproducible (no atomics;
-    the torch backward always is).
+    ``[1, block_size]``), all checked by the caller (``utils.config.check_block_idx``; only the
+    row count is checked here); ``scale`` resolved; ``backend`` ``"torch"``, ``"triton"`` or
+    ``"naive"``. Returns ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32, both
+    differentiable in q, k, v. ``deterministic=True`` makes the Triton backward bitwise
+    reproducible (no atomics; the torch backward always is).
     """
     if query_tile < 1 or query_tile & (query_tile - 1):
         raise ValueError(f"query_tile must be a power of two, got {query_tile!r}")
@@ -100,53 +99,3 @@ def sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: 
     o, lse = _attn_op(q, k, v, block_idx, block_size, scale, backend, bool(deterministic),
                       int(query_tile))
     return o, lse.float()
-
-
-def check_tile_block_idx(block_idx: Tensor, q: Tensor, k: Tensor, block_size: int,
-                         query_tile: int) -> None:
-    """Validate a user-given selection by query tiles ``[B, n_query_tiles(Tq, Tk, query_tile),
-    HKV, S]`` int32 (``query_tile = 1``: per token, ``config.check_block_idx``): its dtype,
-    shape and device, then its values: each row lists valid block ids first, strictly ascending,
-    each in ``[0, cdiv(Tk, block_size))`` and causal for the tile (at most the block holding the
-    tile's first position: a tile lies inside one block), then ``-1`` padding only. Raise
-    ``TypeError`` / ``ValueError`` naming the first bad row ``(b, tile, h)``. Cost as
-    ``check_block_idx_values``: one pass over the entries and one host sync."""
-    if query_tile == 1:
-        check_block_idx(block_idx, q, k, block_size)
-        return
-    if not isinstance(block_idx, torch.Tensor):
-        raise TypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
-    if block_idx.dtype != torch.int32:
-        raise TypeError(f"block_idx must be int32, got {block_idx.dtype}")
-    Tq, Tk = q.shape[1], k.shape[1]
-    want = (q.shape[0], n_query_tiles(Tq, Tk, query_tile), k.shape[2])
-    if block_idx.dim() != 4 or tuple(block_idx.shape[:3]) != want:
-        raise ValueError(f"block_idx by query tiles of {query_tile} must have shape "
-                         f"[B, n_query_tiles(Tq, Tk, query_tile), HKV, S] = [{want[0]}, "
-                         f"{want[1]}, {want[2]}, S], got {tuple(block_idx.shape)}")
-    if block_idx.device != q.device:
-        raise ValueError(f"block_idx is on {block_idx.device} but q is on {q.device}")
-    if block_idx.numel() == 0:
-        return
-    S = block_idx.shape[-1]
-    # tile j starts at absolute position (t0 // Qt + j) * Qt; its last allowed block holds it
-    first = (torch.arange(want[1], device=q.device) + (Tk - Tq) // query_tile) * query_tile
-    last = (first // block_size).to(torch.int32)[None, :, None, None]
-    bad = (block_idx < -1) | (block_idx > last)
-    if S > 1:  # a valid id must follow a valid, smaller id
-        prev, nxt = block_idx[..., :-1], block_idx[..., 1:]
-        bad[..., 1:] |= (nxt >= 0) & ((prev < 0) | (nxt <= prev))
-    if torch.compiler.is_compiling():
-        torch._assert_async(~bad.any(), "block_idx is not a valid tile selection (ascending "
-                            "block ids without duplicates, in range and causal, then -1 padding)")
-        return
-    if not bool(bad.any()):
-        return
-    b, j, h = (int(i) for i in bad.any(-1).nonzero()[0])
-    pos = int(first[j])
-    raise ValueError(
-        f"block_idx[{b}, {j}, {h}] = {block_idx[b, j, h].tolist()} is not a valid tile "
-        f"selection: expected ascending block ids without duplicates, each in "
-        f"[0, {cdiv(Tk, block_size)}) and causal (tile {j} of {query_tile} queries starts at key "
-        f"position {pos}, so ids <= {pos // block_size} with block_size={block_size}), then -1 "
-        f"padding only at the end")

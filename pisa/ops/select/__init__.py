@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..pyramid import Pyramid, build_pyramid
 from ..utils.config import SelectConfig, n_query_tiles
+from ..utils.csr import token_tile_rows
 from ..utils.geometry import cdiv, level_offsets
 
 
@@ -99,6 +100,5 @@ def tiles_to_tokens(block_idx: Tensor, counts: Tensor, n_queries: int, n_keys: i
     HKV]``, of the last ``n_queries`` of ``n_keys`` positions) as the per-token selection
     ``[B, n_queries, HKV, S]``, ``[B, n_queries, HKV]``: each token takes its tile's row (the
     reference layout of the attention kernels)."""
-    t0 = n_keys - n_queries
-    tile = torch.arange(t0, n_keys, device=block_idx.device) // query_tile - t0 // query_tile
+    tile = token_tile_rows(n_queries, n_keys, query_tile, block_idx.device)
     return block_idx.index_select(1, tile), counts.index_select(1, tile)

@@ -268,43 +268,51 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) ->
 
 
 def check_block_idx(block_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                    block_size: int) -> None:
-    """Validate user-given block indices ``[B, Tq, HKV, S]`` int32: their dtype, shape and device,
-    then their values (``check_block_idx_values``). Selections the library makes are trusted and
-    never pass through here."""
+                    block_size: int, query_tile: int = 1) -> None:
+    """Validate a user-given selection: ``[B, Tq, HKV, S]`` int32 per token, or with
+    ``query_tile > 1`` ``[B, n_query_tiles(Tq, Tk, query_tile), HKV, S]`` per query tile — its
+    dtype, shape and device, then its values (``check_block_idx_values``). Selections the library
+    makes are trusted and never pass through here."""
     if not isinstance(block_idx, torch.Tensor):
         raise TypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
     if block_idx.dtype != torch.int32:
         raise TypeError(f"block_idx must be int32, got {block_idx.dtype}")
-    want = (q.shape[0], q.shape[1], k.shape[2])
+    Tq, Tk = q.shape[1], k.shape[1]
+    want = (q.shape[0], n_query_tiles(Tq, Tk, query_tile), k.shape[2])
     if block_idx.dim() != 4 or tuple(block_idx.shape[:3]) != want:
-        raise ValueError(f"block_idx must have shape [B, Tq, HKV, S] = [{want[0]}, {want[1]}, "
-                         f"{want[2]}, S], got {tuple(block_idx.shape)}")
+        rows = "Tq" if query_tile == 1 else f"n_query_tiles(Tq, Tk, query_tile={query_tile})"
+        raise ValueError(f"block_idx must have shape [B, {rows}, HKV, S] = [{want[0]}, "
+                         f"{want[1]}, {want[2]}, S], got {tuple(block_idx.shape)}")
     if block_idx.device != q.device:
         raise ValueError(f"block_idx is on {block_idx.device} but q is on {q.device}")
-    check_block_idx_values(block_idx, k.shape[1], block_size)
+    check_block_idx_values(block_idx, Tk, block_size, query_tile, Tq)
 
 
-def check_block_idx_values(block_idx: torch.Tensor, n_keys: int, block_size: int) -> None:
-    """Check the values of a selection ``block_idx [B, Tq, HKV, S]`` over ``n_keys`` keys in blocks
-    of ``block_size`` (queries are the last ``Tq`` positions): each row lists valid block ids
-    first, strictly ascending (no duplicates), each in ``[0, cdiv(n_keys, block_size))`` and
-    causal (query ``t`` at position ``n_keys - Tq + t`` lists only blocks that start at or before
-    it), then ``-1`` padding only (a row of ``-1`` alone attends to no key: ``o = 0``,
-    ``lse = -inf``). Raise ``ValueError`` naming the first bad row ``(b, t, h)``.
+def check_block_idx_values(block_idx: torch.Tensor, n_keys: int, block_size: int,
+                           query_tile: int = 1, n_queries: int | None = None) -> None:
+    """Check the values of a selection ``block_idx [B, rows, HKV, S]`` of the last ``n_queries``
+    (default: ``rows``, one per token) of ``n_keys`` positions, in blocks of ``block_size``; with
+    ``query_tile > 1`` a row per query tile (row ``j``: the tile starting at absolute position
+    ``((n_keys - n_queries) // query_tile + j) * query_tile``, inside one block). Each row lists
+    valid block ids first, strictly ascending (no duplicates), each in
+    ``[0, cdiv(n_keys, block_size))`` and causal (no block after the one holding the row's
+    queries), then ``-1`` padding only (a row of ``-1`` alone attends to no key: ``o = 0``,
+    ``lse = -inf``). Raise ``ValueError`` naming the first bad row ``(b, row, h)``.
 
-    Cost: one elementwise pass and one reduction over the ``B * Tq * HKV * S`` entries (no
+    Cost: one elementwise pass and one reduction over the ``B * rows * HKV * S`` entries (no
     ``[T, T]`` or ``[T, N/C]`` temporaries), and one host sync: ``bool()`` of the result waits for
     the device. Only user-given selections pay it (``pisa_attn(..., block_idx=...)``). Under
     ``torch.compile`` the check is an asynchronous assert instead (no graph break; a violation
     raises a RuntimeError without naming the row, or a device-side assert on CUDA).
     """
-    B, Tq, H, S = block_idx.shape
+    B, rows, H, S = block_idx.shape
     if block_idx.numel() == 0:
         return
-    # the last block a query may list: its own (the causal limit, always < the block count)
-    last = (torch.arange(n_keys - Tq, n_keys, device=block_idx.device) // block_size).to(
-        torch.int32)[None, :, None, None]
+    n_queries = rows if n_queries is None else n_queries
+    # a row's first position (a query's own for query_tile = 1); its block is the causal limit
+    first = (torch.arange(rows, device=block_idx.device)
+             + (n_keys - n_queries) // query_tile) * query_tile
+    last = (first // block_size).to(torch.int32)[None, :, None, None]
     bad = (block_idx < -1) | (block_idx > last)
     if S > 1:  # a valid id must follow a valid, smaller id
         prev, nxt = block_idx[..., :-1], block_idx[..., 1:]
@@ -317,9 +325,10 @@ def check_block_idx_values(block_idx: torch.Tensor, n_keys: int, block_size: int
         return
     b, t, h = (int(i) for i in bad.any(-1).nonzero()[0])
     row = block_idx[b, t, h].tolist()
-    pos, n_blocks = n_keys - Tq + t, cdiv(n_keys, block_size)
+    pos, n_blocks = int(first[t]), cdiv(n_keys, block_size)
+    who = f"query {t} sits" if query_tile == 1 else f"tile {t} of {query_tile} queries starts"
     raise ValueError(
         f"block_idx[{b}, {t}, {h}] = {row} is not a valid selection: expected ascending block ids "
-        f"without duplicates, each in [0, {n_blocks}) and causal (query {t} sits at key position "
+        f"without duplicates, each in [0, {n_blocks}) and causal ({who} at key position "
         f"{pos}, so ids <= {pos // block_size} with block_size={block_size}), then -1 padding "
         f"only at the end")

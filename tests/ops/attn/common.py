@@ -87,3 +87,45 @@ def dense_masked_reference(q, k, v, block_idx, C, scale):
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     return torch.einsum("bhts,bshd->bthd", p, v.float().repeat_interleave(G, 2)), lse
+
+
+def assert_matches_fp32_reference(q, k, v, o, lse, block_idx, C, scale, g=None):
+    """A low-precision result ``o, lse`` (and its gradients in ``q, k, v`` for the upstream
+    gradient ``g``) against ``dense_masked_reference`` on fp32 copies over the per-token
+    ``block_idx``: relative errors under 1e-2 (o), 2e-2 (lse, gradients)."""
+    ref_in = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ro, rlse = dense_masked_reference(*ref_in, block_idx, C, scale)
+    assert rel_err(o, ro) < 1e-2
+    check_lse(lse, rlse, 2e-2)
+    g = torch.randn_like(o) if g is None else g
+    grads = torch.autograd.grad(o, (q, k, v), g)
+    rgrads = torch.autograd.grad(ro, ref_in, g.float())
+    for name, x, r in zip("qkv", grads, rgrads):
+        assert rel_err(x, r) < 2e-2, (name, rel_err(x, r))
+
+
+def compare_with_oracle(o, lse, q, k, v, reference, tol, lse_tol, grad_lse=False):
+    """A kernel's ``o, lse`` of ``q, k, v`` against ``reference(q64, k64, v64) -> (o, lse)`` on
+    fp64 CPU copies: the forward (no NaN: poisoned outputs must all be written), then the
+    gradients of ``sum(o * g)`` (plus ``sum(lse * w)`` over finite rows with ``grad_lse``).
+    Returns the kernel's gradients."""
+    ref_in = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+    ro, rlse = reference(*ref_in)
+    assert o.dtype == q.dtype and o.shape == q.shape and lse.dtype == torch.float32
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert rel_err(o, ro) < tol
+    check_lse(lse, rlse, lse_tol)
+    g = torch.randn_like(o)
+    loss = (o.float() * g.float()).sum()
+    rloss = (ro * g.double().cpu()).sum()
+    if grad_lse:
+        w = torch.randn_like(lse).masked_fill(torch.isneginf(lse), 0)
+        loss = loss + (lse.masked_fill(torch.isneginf(lse), 0) * w).sum()
+        rloss = rloss + (rlse.masked_fill(torch.isneginf(rlse), 0) * w.double().cpu()).sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    rgrads = torch.autograd.grad(rloss, ref_in)
+    for name, x, r in zip("qkv", grads, rgrads):
+        assert x.dtype == q.dtype and not x.isnan().any(), name
+        assert rel_err(x, r) < tol * 4, (name, rel_err(x, r))
+    return grads

@@ -11,14 +11,12 @@ import importlib.util
 import pytest
 import torch
 
-from pisa.ops.attn import check_tile_block_idx, sparse_attn
+from pisa.ops.attn import sparse_attn
 from pisa.ops.attn.naive import naive_attn, naive_dense_attn
 from pisa.ops.select import tiles_to_tokens
-from pisa.ops.utils.config import n_query_tiles
-from pisa.ops.utils.csr import block_work_items
-from pisa.ops.utils.geometry import cdiv
-from tests.ops.attn.common import (all_blocks, check_lse, dense_masked_reference, make_qkv,
-                                   random_selection, rel_err)
+from pisa.ops.utils.config import check_block_idx, n_query_tiles
+from tests.ops.attn.common import (all_blocks, assert_matches_fp32_reference, compare_with_oracle,
+                                   make_qkv, random_selection, rel_err)
 from tests.ops.conftest import INTERPRET
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -52,28 +50,10 @@ def run_and_compare(backend, q, k, v, idx, C, scale, Qt, tol, lse_tol, *, refere
     per-token expansion; returns the backend's tensors."""
     Tq, Tk = q.shape[1], k.shape[1]
     o, lse = sparse_attn(q, k, v, idx, C, scale, backend, deterministic, query_tile=Qt)
-    ref_in = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
-    if reference is None:
-        ro, rlse = naive_attn(*ref_in, per_token(idx.cpu(), Tq, Tk, Qt), C, scale)
-    else:
-        ro, rlse = reference(*ref_in, scale)
-    assert o.dtype == q.dtype and o.shape == q.shape and lse.dtype == torch.float32
-    assert lse.shape == (q.shape[0], q.shape[2], Tq)
-    assert not o.isnan().any() and not lse.isnan().any()
-    assert rel_err(o, ro) < tol
-    check_lse(lse, rlse, lse_tol)
-
-    g = torch.randn_like(o)
-    w = torch.randn_like(lse).masked_fill(torch.isneginf(lse), 0)
-    loss = (o.float() * g.float()).sum() + (lse.masked_fill(torch.isneginf(lse), 0) * w).sum()
-    rloss = (ro * g.double().cpu()).sum() \
-        + (rlse.masked_fill(torch.isneginf(rlse), 0) * w.double().cpu()).sum()
-    grads = torch.autograd.grad(loss, (q, k, v))
-    rgrads = torch.autograd.grad(rloss, ref_in)
-    for name, x, r in zip("qkv", grads, rgrads):
-        assert x.dtype == q.dtype and not x.isnan().any(), name
-        assert rel_err(x, r) < tol * 4, (name, rel_err(x, r))
-    return o, lse, grads
+    rows = per_token(idx.cpu(), Tq, Tk, Qt)
+    ref = (lambda *x: naive_attn(*x, rows, C, scale)) if reference is None else \
+        (lambda *x: reference(*x, scale))
+    return o, lse, compare_with_oracle(o, lse, q, k, v, ref, tol, lse_tol, grad_lse=True)
 
 
 # (dtype, B, Tq, Tk, HQ, HKV, D, C, S, Qt, dkv_chunk, deterministic)
@@ -209,43 +189,24 @@ def test_row_count_is_checked_and_fake_kernel_gives_the_layout():
     assert o.shape == q.shape and lse.shape == (1, 4, 10) and lse.dtype == torch.float32
 
 
-def test_check_tile_block_idx():
+def test_check_block_idx_of_tiles():
     B, Tq, Tk, HKV, C, S, Qt = 1, 21, 50, 2, 8, 4, 4  # positions 29..49: tiles 7..12
     q, k = torch.zeros(B, Tq, 4, 16), torch.zeros(B, Tk, HKV, 16)
     idx = random_selection(B, Tq, Tk, HKV, C, S, seed=0, device="cpu", query_tile=Qt)
-    check_tile_block_idx(idx, q, k, C, Qt)
-    check_tile_block_idx(random_selection(B, Tq, Tk, HKV, C, S, device="cpu"), q, k, C, 1)
+    check_block_idx(idx, q, k, C, Qt)
+    check_block_idx(random_selection(B, Tq, Tk, HKV, C, S, device="cpu"), q, k, C, 1)
     with pytest.raises(ValueError, match="n_query_tiles"):
-        check_tile_block_idx(idx[:, 1:], q, k, C, Qt)
+        check_block_idx(idx[:, 1:], q, k, C, Qt)
     with pytest.raises(TypeError, match="int32"):
-        check_tile_block_idx(idx.long(), q, k, C, Qt)
+        check_block_idx(idx.long(), q, k, C, Qt)
     bad = idx.clone()
     bad[0, 0, 1, 0] = 4  # tile 0 starts at position 28, in block 3
-    with pytest.raises(ValueError, match=r"block_idx\[0, 0, 1\].*ids <= 3"):
-        check_tile_block_idx(bad, q, k, C, Qt)
+    with pytest.raises(ValueError, match=r"block_idx\[0, 0, 1\].*tile 0 of 4.*ids <= 3"):
+        check_block_idx(bad, q, k, C, Qt)
     bad = idx.clone()
     bad[0, 2, 0, :2] = torch.tensor([2, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"block_idx\[0, 2, 0\]"):
-        check_tile_block_idx(bad, q, k, C, Qt)
-
-
-def test_block_work_items_of_a_tile_selection(rng):
-    """The transpose lists tiles, ascending, each (tile, block) pick once."""
-    B, Tq, Tk, H, C, S, Qt, chunk = 2, 50, 80, 3, 16, 4, 4, 3
-    idx = random_selection(B, Tq, Tk, H, C, S, min_blocks=1, seed=rng, device="cpu",
-                           query_tile=Qt)
-    nb = cdiv(Tk, C)
-    rows, items, _ = block_work_items(idx, nb, chunk)
-    got = set()
-    for key, start, end, slot, n in items.tolist():
-        assert 0 < end - start <= chunk
-        tiles = rows[start:end].tolist()
-        assert tiles == sorted(tiles) and max(tiles) < idx.shape[1]
-        bh, c = divmod(key, nb)
-        got |= {(bh // H, j, bh % H, c) for j in tiles}
-    want = {(b, j, h, int(idx[b, j, h, s]))
-            for b, j, h, s in zip(*(x.tolist() for x in torch.nonzero(idx >= 0, as_tuple=True)))}
-    assert got == want
+        check_block_idx(bad, q, k, C, Qt)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,15 +231,7 @@ def test_gpu_tiles_match_fp32_reference(case, deterministic, rng):
     q, k, v = make_qkv(B, Tq, Tk, HQ, HKV, D, dtype, seed=rng, device="cuda")
     idx = random_selection(B, Tq, Tk, HKV, C, S, seed=rng, device="cuda", query_tile=Qt)
     o, lse = sparse_attn(q, k, v, idx, C, D ** -0.5, "triton", deterministic, query_tile=Qt)
-    ref_in = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    ro, rlse = dense_masked_reference(*ref_in, per_token(idx, Tq, Tk, Qt), C, D ** -0.5)
-    assert rel_err(o, ro) < 1e-2
-    check_lse(lse, rlse, 2e-2)
-    g = torch.randn_like(o)
-    grads = torch.autograd.grad(o, (q, k, v), g)
-    rgrads = torch.autograd.grad(ro, ref_in, g.float())
-    for name, x, r in zip("qkv", grads, rgrads):
-        assert rel_err(x, r) < 2e-2, (name, rel_err(x, r))
+    assert_matches_fp32_reference(q, k, v, o, lse, per_token(idx, Tq, Tk, Qt), C, D ** -0.5)
 
 
 @pytest.mark.gpu

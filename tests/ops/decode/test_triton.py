@@ -348,6 +348,33 @@ def _reference(q, k, v, seqlens, idx, cfg: SelectConfig):
     return torch.cat(sel), torch.cat(outs), torch.cat(lses)
 
 
+def replay_matches_eager(step, state0, inputs):
+    """Run ``step(state, *x)`` eagerly over ``inputs`` from a copy of ``state0``, then captured in
+    a CUDA graph (warmed up on a side stream) and replayed over the same inputs: every replay's
+    ``(o, lse)`` must equal the eager step's. Returns the replayed and the eager final states."""
+    eager_state = [x.clone() for x in state0]
+    eager = [step(eager_state, *x) for x in inputs]  # also compiles the kernels
+    warm = [x.clone() for x in state0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(warm, *inputs[0])
+    torch.cuda.current_stream().wait_stream(side)
+    state = [x.clone() for x in state0]
+    static = [torch.empty_like(x) for x in inputs[0]]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(state, *static)
+    for x, (o_want, lse_want) in zip(inputs, eager):
+        for dst, src in zip(static, x):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], o_want) and torch.equal(out[1], lse_want)
+    return state, eager_state
+
+
 @gpu
 @pytest.mark.parametrize("T_max,splits,g,dtype", [
     (4096, None, 2, BF16), (4096, 1, 4, BF16), (32768, None, 2, BF16), (32768, 1, 2, BF16),
@@ -452,27 +479,7 @@ def test_gpu_cuda_graph_replay_equals_eager():
         lens.add_(1)
         return decode_triton(q, k_cache, v_cache, sums, lens, cfg)
 
-    eager_state = [x.clone() for x in state0]
-    eager = [step(eager_state, *x) for x in inputs]  # also compiles the kernels
-
-    warm = [x.clone() for x in state0]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(warm, *inputs[0])
-    torch.cuda.current_stream().wait_stream(side)
-    state = [x.clone() for x in state0]
-    static = [torch.empty_like(x) for x in inputs[0]]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(state, *static)
-    for x, (o_want, lse_want) in zip(inputs, eager):
-        for dst, src in zip(static, x):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[0], o_want) and torch.equal(out[1], lse_want)
+    state, eager_state = replay_matches_eager(step, state0, inputs)
     assert torch.equal(state[3], eager_state[3])
 
 
@@ -526,25 +533,6 @@ def test_gpu_append_with_bounds_is_captured_by_a_cuda_graph():
         n.add_(1)
         return decode_triton(q, kc, vc, s, n, cfg, mins=lo, maxs=hi)
 
-    eager_state = [x.clone() for x in state0]
-    eager = [step(eager_state, *x) for x in inputs]
-    warm = [x.clone() for x in state0]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(warm, *inputs[0])
-    torch.cuda.current_stream().wait_stream(side)
-    state = [x.clone() for x in state0]
-    static = [torch.empty_like(x) for x in inputs[0]]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(state, *static)
-    for x, (o_want, lse_want) in zip(inputs, eager):
-        for dst, src in zip(static, x):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[0], o_want) and torch.equal(out[1], lse_want)
+    state, eager_state = replay_matches_eager(step, state0, inputs)
     for a, b in zip(state, eager_state):
         assert torch.equal(a, b)

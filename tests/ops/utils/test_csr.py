@@ -1,4 +1,5 @@
 """``pisa.ops.utils.csr``: selections transposed by block (one implementation for every op)."""
+import pytest
 import torch
 
 from pisa.ops.utils.config import n_query_tiles
@@ -35,22 +36,25 @@ def test_group_pairs_covers_every_pair_once_in_groups_of_at_most_size(rng):
     assert sorted(x for x in laid.tolist() if x >= 0) == list(range(103))
 
 
-def test_block_work_items_lists(rng):
-    """Every (block, token) pick appears once, lists ascend, chunks respect the limit."""
-    B, Tq, Tk, H, C, S, chunk = 2, 50, 80, 3, 16, 4, 7
-    idx = random_selection(B, Tq, Tk, H, C, S, min_blocks=1, seed=rng, device="cpu")
+@pytest.mark.parametrize("query_tile,chunk", [(1, 7), (4, 3)])
+def test_block_work_items_lists(query_tile, chunk, rng):
+    """Every (block, row) pick appears once — rows are tokens, or tiles — lists ascend, chunks
+    respect the limit, split chunks get the scratch slots 0 .. n_parts - 1."""
+    B, Tq, Tk, H, C, S = 2, 50, 80, 3, 16, 4
+    idx = random_selection(B, Tq, Tk, H, C, S, min_blocks=1, seed=rng, device="cpu",
+                           query_tile=query_tile)
     nb = cdiv(Tk, C)
-    tokens, items, n_parts = block_work_items(idx, nb, chunk)
+    rows, items, n_parts = block_work_items(idx, nb, chunk)
     got = set()
     for key, start, end, slot, n in items.tolist():
         assert 0 < end - start <= chunk
-        toks = tokens[start:end].tolist()
-        assert toks == sorted(toks)
+        listed = rows[start:end].tolist()
+        assert listed == sorted(listed) and max(listed) < idx.shape[1]
         bh, c = divmod(key, nb)
-        got |= {(bh // H, t, bh % H, c) for t in toks}
-    want = {(b, t, h, c) for b, t, h, s in zip(*torch.nonzero(idx >= 0, as_tuple=True))
-            for c in [int(idx[b, t, h, s])]}
-    assert got == {tuple(int(x) for x in w) for w in want}
+        got |= {(bh // H, r, bh % H, c) for r in listed}
+    want = {(b, r, h, int(idx[b, r, h, s]))
+            for b, r, h, s in zip(*(x.tolist() for x in torch.nonzero(idx >= 0, as_tuple=True)))}
+    assert got == want
     slots = items[:, 3]
     assert sorted(slots[slots >= 0].tolist()) == list(range(n_parts))
 
