@@ -1,0 +1,49 @@
+"""Per-kernel CUDA time of ``pisa_select`` (config A, bf16, per token) under torch.profiler, for the
+checkout that ``pisa`` imports from (run it with ``PYTHONPATH=<tree>`` from outside that tree, so a
+before/after pair compares kernels, not timers).
+
+    PYTHONPATH=.before python benchmarks/select_profile.py --json before.json
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+from common import C, HKV, HQ, K, D, command, meta, randn_qkv, write_result
+
+import pisa
+from pisa import pisa_select
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--len", type=int, default=131072)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    q, k, _ = randn_qkv(args.len, HQ, HKV, D, seed=0)
+
+    def f():
+        return pisa_select(q, k, block_size=C, topk=K)
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    total = float(do_bench(f, warmup=100, rep=1000, return_mode="median"))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            f()
+        torch.cuda.synchronize()
+    kernels = {e.key: e.self_device_time_total / 5 / 1e3 for e in prof.key_averages()
+               if e.self_device_time_total > 0}
+    rows = [{"kernel": name, "ms": ms} for name, ms in sorted(kernels.items(), key=lambda x: -x[1])]
+    print(f"pisa from {pisa.__file__}: {total:.2f} ms")
+    for r in rows[:6]:
+        print(f"  {r['kernel'][:50]:50s} {r['ms']:8.3f} ms")
+    write_result(args.json, meta("cuda", command(), pisa=pisa.__file__, T=args.len,
+                                 select_ms=total), rows)
+
+
+if __name__ == "__main__":
+    main()
