@@ -23,6 +23,7 @@ import torch
 
 from ..ops.utils.config import CHUNK_ELEMS, SelectConfig
 from ..ops.utils.geometry import cdiv
+from ..ops.select import tiles_to_tokens
 from .metrics import SelectionScorer
 
 FIELDS = ("model", "layer", "T", "selector", "K", "W", "recall", "mass", "mass_ratio")
@@ -38,6 +39,9 @@ class RecallConfig:
     branching: int = SelectConfig.branching
     beams: list[int] = field(default_factory=lambda: [1, 2, 4])  # W in multiples of K
     target: float = 0.95                  # recall the W search looks for
+    # named pisa_select knob sets (selection v2: query_tile, beam_leaf, scorer, tile_reduce):
+    # when given, each arm and flat_mean are measured instead of the beam sweep and random
+    arms: dict[str, dict] | None = None
     backend: str = "auto"
     seed: int = 0
     log: object = field(default=sys.stderr, repr=False)
@@ -95,6 +99,17 @@ class LayerQuality:
             raise ValueError(f"selector must be 'pisa', 'flat_mean' or 'random', got {selector!r}")
         return {"selector": selector, "W": W, **self.score(idx)}
 
+    def measure_arm(self, name: str, knobs: dict) -> dict:
+        """The row of the pyramid at ``knobs`` (``pisa_select`` keywords; tile selections are
+        scored per token, each token with its tile's blocks), named ``name``."""
+        q, k = self.score.q, self.score.k
+        idx = self.score.select("pyramid", **knobs)
+        qt = knobs.get("query_tile", 1)
+        if qt > 1:
+            idx = tiles_to_tokens(idx, (idx >= 0).sum(-1, dtype=torch.int32), q.shape[1],
+                                  k.shape[1], qt)[0]
+        return {"selector": name, "W": knobs.get("beam", self.cfg.topk), **self.score(idx)}
+
 
 def _widest_useful_beam(T: int, cfg: RecallConfig) -> int:
     """Beyond this W the walk keeps every node (``g * W >= leaves``): the selection is exact."""
@@ -127,6 +142,15 @@ def recall_rows(model, documents: dict[int, list[torch.Tensor]], cfg: RecallConf
                 t0 = time.perf_counter()
                 q, k = qk.pop(layer)
                 lq = LayerQuality(q, k, cfg)
+                if cfg.arms:
+                    got = [lq.measure_arm(n, kn) for n, kn in cfg.arms.items()]
+                    got.append(lq.measure("flat_mean"))
+                    _accumulate(sums, layer, got)
+                    print(f"[recall] T={T} doc {d + 1} layer {layer}: "
+                          + " ".join(f"{r['selector']}:{r['recall']:.3f}/{r['mass_ratio']:.4f}"
+                                     for r in got)
+                          + f" ({time.perf_counter() - t0:.1f} s)", file=cfg.log, flush=True)
+                    continue
                 got = [lq.measure("pisa", W) for W in beams]
                 got += [lq.measure("flat_mean"), lq.measure("random", generator=generator)]
                 pyr = {r["W"]: r["recall"] for r in got if r["selector"] == "pisa"}
@@ -134,11 +158,7 @@ def recall_rows(model, documents: dict[int, list[torch.Tensor]], cfg: RecallConf
                 while pyr[max(pyr)] < cfg.target and max(pyr) < _widest_useful_beam(T, cfg):
                     got.append(lq.measure("pisa", 2 * max(pyr)))
                     pyr[got[-1]["W"]] = got[-1]["recall"]
-                for r in got:
-                    acc = sums.setdefault((layer, r["selector"], r["W"]), [0.0, 0.0, 0.0, 0])
-                    for i, name in enumerate(("recall", "mass", "mass_ratio")):
-                        acc[i] += r[name]
-                    acc[3] += 1
+                _accumulate(sums, layer, got)
                 flat = next(r["recall"] for r in got if r["selector"] == "flat_mean")
                 print(f"[recall] T={T} doc {d + 1} layer {layer}: pisa recall "
                       + " ".join(f"W={W}:{v:.3f}" for W, v in sorted(pyr.items()))
@@ -150,6 +170,45 @@ def recall_rows(model, documents: dict[int, list[torch.Tensor]], cfg: RecallConf
                          "K": cfg.topk, "W": W, "recall": rec / n, "mass": mass / n,
                          "mass_ratio": ratio / n})
     return rows
+
+
+def _accumulate(sums: dict, layer: int, got: list[dict]) -> None:
+    """Add one document's rows of ``layer`` to the per-(layer, selector, W) sums."""
+    for r in got:
+        acc = sums.setdefault((layer, r["selector"], r["W"]), [0.0, 0.0, 0.0, 0])
+        for i, name in enumerate(("recall", "mass", "mass_ratio")):
+            acc[i] += r[name]
+        acc[3] += 1
+
+
+def summarize_arms(rows: list[dict], arms: dict[str, dict]) -> dict[str, dict]:
+    """Per length and arm: its knobs, mean recall, mean and worst-layer mass ratio over
+    ``flat_lse`` (the bars of selection v2: mean >= 0.995, every layer >= 0.98)."""
+    out = {}
+    for T in sorted({r["T"] for r in rows}):
+        out[str(T)] = {}
+        for name in list(arms) + ["flat_mean"]:
+            at = [r for r in rows if r["T"] == T and r["selector"] == name]
+            if at:
+                out[str(T)][name] = {
+                    "knobs": arms.get(name, {}), "layers": len(at),
+                    "mean_recall": sum(r["recall"] for r in at) / len(at),
+                    "mean_mass_ratio": sum(r["mass_ratio"] for r in at) / len(at),
+                    "min_mass_ratio": min(r["mass_ratio"] for r in at),
+                    "worst_layer": min(at, key=lambda r: r["mass_ratio"])["layer"]}
+    return out
+
+
+def parse_arm(text: str) -> tuple[str, dict]:
+    """``"name:knob=value,knob=value"`` (ints where they parse) -> ``(name, knobs)``."""
+    name, _, spec = text.partition(":")
+    knobs = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"argument --arms: expected name:knob=value,..., got {text!r}")
+        knobs[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, knobs
 
 
 def _layer_recall(by: dict, layer: int, W: int) -> float:
@@ -216,6 +275,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="recall the beam search (W = K, 2K, 4K, ...) looks for")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--arms", nargs="+", default=None, metavar="NAME:KNOB=V,...",
+                   help="pisa_select knob sets to compare (e.g. 'qt16:query_tile=16,"
+                        "beam_leaf=32,tile_reduce=qmean'), measured with flat_mean instead of "
+                        "the beam sweep")
     p.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")
 
 
@@ -230,6 +293,8 @@ def check_arguments(args: argparse.Namespace) -> None:
                          f"all), got {args.layers}")
     if not 0 < args.target <= 1:
         raise ValueError(f"argument --target: must be in (0, 1], got {args.target}")
+    for text in args.arms or []:
+        parse_arm(text)
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
@@ -241,7 +306,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
                                                          else args.layers)
     cfg = RecallConfig(lengths=args.lengths, layers=layers, samples=args.samples,
                        topk=args.topk, block_size=args.block_size, branching=args.branching,
-                       target=args.target, backend=args.backend)
+                       target=args.target, backend=args.backend,
+                       arms=dict(parse_arm(a) for a in args.arms) if args.arms else None)
     model, tokenizer, info = start_eval("recall", args.device, argv)
     source = corpus()[0]
     print(f"[recall] documents: {source}", file=cfg.log, flush=True)
@@ -251,8 +317,18 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     for T in cfg.lengths:
         docs = {T: token_samples(tokenizer, T, cfg.samples)}
         rows += recall_rows(model, docs, cfg, SMOLLM2_ROW)
-        info["summary"] = summarize(rows, cfg.target)
+        info["summary"] = summarize_arms(rows, cfg.arms) if cfg.arms else \
+            summarize(rows, cfg.target)
         write_result(args.json, info, rows)
+    if cfg.arms:
+        print("| T | arm | knobs | mean recall | mean mass ratio | worst layer (mass ratio) |\n"
+              "|---|---|---|---|---|---|")
+        for T, by in info["summary"].items():
+            for name, s in by.items():
+                print(f"| {T} | {name} | {s['knobs']} | {s['mean_recall']:.3f} | "
+                      f"{s['mean_mass_ratio']:.4f} | {s['worst_layer']} "
+                      f"({s['min_mass_ratio']:.4f}) |")
+        return 0
     print(format_table(rows))
     for T, s in info["summary"].items():
         print(f"T={T}: pisa (W=K) recall >= flat_mean in {s['pisa_ge_flat_mean_layers']}/"

@@ -85,6 +85,29 @@ def test_recall_rows_schema_and_summary_on_tiny_llama(rng):
     assert "| 128 | 1 |" in format_table(rows)
 
 
+def test_recall_arms_of_selection_v2_on_tiny_llama(rng):
+    """``--arms``: each named knob set (tiles scored per token) and flat_mean get a row per
+    layer; an arm whose budget covers every block captures the oracle's mass exactly."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from pisa.eval.model import tiny_llama
+    from pisa.eval.recall import parse_arm, recall_rows, summarize_arms
+    model = tiny_llama(seed=int(rng))
+    arms = dict(parse_arm(a) for a in ("tile:query_tile=4,beam_leaf=8,tile_reduce=qmean",
+                                       "bound:scorer=bound,beam=2", "all:topk=16"))
+    assert arms["tile"] == {"query_tile": 4, "beam_leaf": 8, "tile_reduce": "qmean"}
+    cfg = RecallConfig(lengths=[128], block_size=8, topk=4, arms=arms)
+    rows = recall_rows(model, {128: [torch.randint(0, 128, (1, 128))]}, cfg, "tiny")
+    assert {(r["layer"], r["selector"]) for r in rows} == {
+        (i, s) for i in (0, 1) for s in ("tile", "bound", "all", "flat_mean")}
+    assert all(0 <= r["recall"] <= 1 and 0 < r["mass_ratio"] <= 1 + 1e-6 for r in rows
+               if r["selector"] != "all")
+    summary = summarize_arms(rows, arms)["128"]
+    assert summary["all"]["min_mass_ratio"] >= 1 - 1e-6  # 16 blocks: every causal block
+    assert summary["tile"]["layers"] == 2 and summary["tile"]["knobs"] == arms["tile"]
+    with pytest.raises(ValueError, match="--arms"):
+        parse_arm("bad:query_tile")
+
+
 @pytest.mark.slow
 @needs_smollm2
 def test_cli_eval_recall_on_smollm2(tmp_path):
