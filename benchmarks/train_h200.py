@@ -124,10 +124,12 @@ def main() -> None:
     def kernels(T, impl, q, k, v, do, knobs):
         """The sparse attention kernels alone on the arm's selection."""
         idx, cnt = pisa_select(q, k, **knobs)
-        if knobs.get("query_tile", 1) > 1:
-            idx, _ = tiles_to_tokens(idx, cnt, T, T, knobs["query_tile"])
-        keys = keys_attended(idx, T, args.block_size)
-        attn = {n: x for n, x in knobs.items() if n in ("block_size", "backend")}
+        qt = knobs.get("query_tile", 1)
+        per_token = idx if qt == 1 else tiles_to_tokens(idx, cnt, T, T, qt)[0]
+        keys = keys_attended(per_token, T, args.block_size)
+        del per_token
+        # the kernels the arm runs: tile selections go to the tile kernels as they are
+        attn = {n: x for n, x in knobs.items() if n in ("block_size", "backend", "query_tile")}
         with torch.no_grad():
             ms, pk = timed(lambda: pisa_attn(q, k, v, block_idx=idx, **attn))
         row("attn_fwd", impl + "_kernel", T, ms, pk, knobs, keys_per_token=keys,

@@ -6,7 +6,7 @@ import torch
 
 from .cache import PisaCache
 from .ops.attn import sparse_attn
-from .ops.decode import decode_step, prefill_with_cache, uses_bounds
+from .ops.decode import decode_step, prefill_with_cache
 from .ops.decode.kvcache import check_cache, check_new_kv, check_seqlens, write_kv
 from .ops.select import select
 from .ops.utils.config import (SelectConfig, check_block_idx, check_qk, n_query_tiles,
@@ -231,7 +231,7 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
         lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
         lens = cache_seqlens
-    if uses_bounds(cfg) and cache.mins is None:
+    if cfg.uses_bounds and cache.mins is None:
         cache.enable_bounds(lens)
     # the one validation of the step: the ops below take the checked tensors as they are
     check_cache(cache.k_cache, cache.v_cache, cache.sums, lens, cache.block_size, cache.branching,

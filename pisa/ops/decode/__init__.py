@@ -13,15 +13,9 @@ import dataclasses
 import torch
 
 from ..attn import sparse_attn
-from ..select import select, tiles_to_tokens
+from ..select import select
 from ..utils.config import SelectConfig, check_qk
 from .kvcache import check_cache, pyramid_from_sums
-
-
-def uses_bounds(cfg: SelectConfig) -> bool:
-    """Whether the selection of ``cfg`` ranks by the pyramid's key bounds (``scorer="bound"`` on
-    the pyramid walk; the flat selectors never read them)."""
-    return cfg.selector == "pyramid" and cfg.scorer == "bound"
 
 
 def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -43,7 +37,7 @@ def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if cfg.selector not in ("pyramid", "flat_lse", "flat_mean"):
         raise ValueError(f"cfg.selector must be resolved (pyramid, flat_lse or flat_mean), got "
                          f"{cfg.selector!r}")
-    if uses_bounds(cfg) and mins is None:
+    if cfg.uses_bounds and mins is None:
         raise ValueError("scorer='bound' needs the cache's key bounds (mins, maxs): make the "
                          "cache with PisaCache(..., bounds=True) or call cache.enable_bounds()")
 
@@ -85,7 +79,7 @@ def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """
     groups = [slice(None)] if len(set(seqlens)) == 1 else [slice(b, b + 1)
                                                            for b in range(q.shape[0])]
-    bound = uses_bounds(cfg) and mins is not None
+    bound = cfg.uses_bounds and mins is not None
     outs, lses = [], []
     for rows in groups:
         s = seqlens[rows][0]
@@ -95,11 +89,9 @@ def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         if backend != "naive":
             bounds = (mins[rows], maxs[rows]) if bound else (None, None)
             pyramid = pyramid_from_sums(sums[rows], s, cfg.block_size, cfg.branching, *bounds)
-        block_idx, counts = select(qb.detach(), k, cfg, backend, pyramid)
-        if cfg.query_tile > 1:
-            # TODO(tiles): hand the tile rows to sparse_attn directly once it takes them
-            block_idx, _ = tiles_to_tokens(block_idx, counts, qb.shape[1], s, cfg.query_tile)
-        o, lse = sparse_attn(qb, k, v, block_idx, cfg.block_size, cfg.scale, backend)
+        block_idx, _ = select(qb.detach(), k, cfg, backend, pyramid)
+        o, lse = sparse_attn(qb, k, v, block_idx, cfg.block_size, cfg.scale, backend,
+                             query_tile=cfg.query_tile)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -61,7 +61,7 @@ def _decode(q, k_cache, v_cache, sums, cache_seqlens, cfg: SelectConfig, mins, m
     pos = t_abs.clamp_min(0)  # an empty sequence selects as if at 0, then attends to nothing
     forced = forced_leaves_tensor(pos, C)  # [B, 1, 3]
     qs = q.to(compute_dtype(q)).reshape(B, 1, H, HQ // H, D) * cfg.scale
-    bound = cfg.selector == "pyramid" and cfg.scorer == "bound"
+    bound = cfg.uses_bounds
     if bound and mins is None:
         raise ValueError("scorer='bound' needs the cache's key bounds (mins, maxs)")
     bounds = (mins, maxs) if bound else (None, None)

@@ -34,15 +34,13 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
     # leaf scores (and candidate tiles that wide would not fit the walk kernel).
     n_leaves = cdiv(k.shape[1], cfg.block_size)
     walk = cfg.selector == "pyramid" and min(cfg.beam, cfg.beam_at(2)) < n_leaves
-    bound = walk and cfg.scorer == "bound"
     if walk:
         beam_geometry(cfg, k.shape[1])  # a beam too wide for the kernel, before any work
     if pyramid is not None:
         check_pyramid(pyramid, k, cfg)
-    needs = walk or cfg.selector == "flat_mean"
-    if needs and (pyramid is None or (bound and pyramid.mins is None)):
-        # a caller's pyramid without bounds (the decode cache's) is rebuilt with them
-        pyramid = build_pyramid(k, cfg.block_size, cfg.branching, "triton", bounds=bound)
+    if pyramid is None and (walk or cfg.selector == "flat_mean"):
+        pyramid = build_pyramid(k, cfg.block_size, cfg.branching, "triton",
+                                bounds=walk and cfg.uses_bounds)
     if walk:
         return select_pyramid_triton(q, k, cfg, pyramid)
     return select_flat_triton(q, k, cfg, pyramid, cfg.leaf_scorer)
@@ -58,6 +56,9 @@ def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[T
                        scale, query_tile, beam_leaf, tile_reduce)
     pyramid = None if means is None else Pyramid(
         means, counts, level_offsets(k.shape[1], block_size, branching), mins, maxs)
+    if pyramid is not None and cfg.uses_bounds and pyramid.mins is None:
+        pyramid = None  # a caller's pyramid without bounds (a decode cache's): the backend
+        # builds one with them from the keys
     if backend == "triton":
         return _select_triton(q, k, cfg, pyramid)
     if backend == "naive":  # builds its own fp64 pyramid from the keys

@@ -120,8 +120,7 @@ def naive_select(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig):
     G, C, Qt = HQ // HKV, cfg.block_size, cfg.query_tile
     t0 = Tk - Tq  # absolute position of the first query
     n_tiles = n_query_tiles(Tq, Tk, Qt)
-    levels = naive_pyramid(k, C, cfg.branching,
-                           bounds=cfg.selector == "pyramid" and cfg.scorer == "bound")
+    levels = naive_pyramid(k, C, cfg.branching, bounds=cfg.uses_bounds)
     block_idx = torch.full((B, n_tiles, HKV, cfg.slots), -1, dtype=torch.int32)
     counts = torch.zeros(B, n_tiles, HKV, dtype=torch.int32)
     for b in range(B):

@@ -275,9 +275,8 @@ def _select(q, k, cfg, pyramid):
     N = cdiv(Tk, C)
     dev = q.device
     ct = compute_dtype(q)
-    bound = cfg.selector == "pyramid" and cfg.scorer == "bound"
-    if pyramid is None or (bound and pyramid.mins is None):
-        pyramid = build_pyramid_torch(k, C, g, bounds=bound)
+    if pyramid is None:
+        pyramid = build_pyramid_torch(k, C, g, bounds=cfg.uses_bounds)
     leaf_means = pyramid.level(1)[0]
     k_blocks = None
     if cfg.selector == "pyramid" and cfg.leaf_scorer != "mean":

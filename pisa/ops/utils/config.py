@@ -69,6 +69,12 @@ class SelectConfig:
         return self.beam if level != 2 or self.beam_leaf is None else self.beam_leaf
 
     @property
+    def uses_bounds(self) -> bool:
+        """Whether the selection ranks by the pyramid's per-node key bounds (``scorer="bound"``
+        on the pyramid walk; the flat selectors never read them)."""
+        return self.selector == "pyramid" and self.scorer == "bound"
+
+    @property
     def leaf_scorer(self) -> str:
         """How a candidate leaf is scored from its keys: the exact LSE for ``flat_lse`` and for
         the bound scorer (the bound only ranks internal nodes), the mean logit for

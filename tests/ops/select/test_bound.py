@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pisa.ops.pyramid.torch_backend import build_pyramid_torch
+from pisa.ops.select import select
 from pisa.ops.select.naive import child_logits, naive_select
 from pisa.ops.select.torch_backend import bound_logits, reduce_tokens, select_torch, walk
 from pisa.ops.utils.config import SelectConfig
@@ -67,13 +68,13 @@ def test_needle_behind_a_low_mean(scorer, beam_leaf, found, Qt, rng):
 
 
 def test_bound_pyramid_is_built_when_missing(rng):
-    """A caller's pyramid without bounds (the decode cache's) is rebuilt with them; the walk
-    itself refuses one."""
+    """A caller's pyramid without bounds (the decode cache's) is rebuilt with them by the select
+    op (``pisa.ops.select.select``); the walk itself refuses one."""
     q, k = torch.randn(1, 40, 4, 16), torch.randn(1, 200, 2, 16)
     cfg = SelectConfig(block_size=8, topk=5, beam=2, scorer="bound", scale=0.25, query_tile=2)
     plain = build_pyramid_torch(k, 8, 2)
     assert plain.mins is None and plain.maxs is None
-    assert_same(select_torch(q, k, cfg, plain), select_torch(q, k, cfg), "rebuilt")
+    assert_same(select(q, k, cfg, "torch", plain), select_torch(q, k, cfg), "rebuilt")
     t_abs = torch.tensor([199])
     with pytest.raises(ValueError, match="bounds=True"):
         walk(q[:, :1].view(1, 1, 2, 2, 16), plain, t_abs, forced_leaves_tensor(t_abs, 8), cfg)
