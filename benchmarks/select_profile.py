@@ -1,4 +1,5 @@
-"""Per-kernel CUDA time of ``pisa_select`` (config A, bf16, per token) under torch.profiler, for the
+"""Per-kernel CUDA time of ``pisa_select`` (config A, bf16; per token, or at the selection-v2
+knobs given) under torch.profiler, for the
 checkout that ``pisa`` imports from (run it with ``PYTHONPATH=<tree>`` from outside that tree, so a
 before/after pair compares kernels, not timers).
 
@@ -21,12 +22,18 @@ from pisa import pisa_select
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--len", type=int, default=131072)
+    ap.add_argument("--query-tile", type=int, default=None)
+    ap.add_argument("--beam-leaf", type=int, default=None)
+    ap.add_argument("--scorer", default=None)
+    ap.add_argument("--tile-reduce", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     q, k, _ = randn_qkv(args.len, HQ, HKV, D, seed=0)
+    knobs = {n: getattr(args, n) for n in ("query_tile", "beam_leaf", "scorer", "tile_reduce")
+             if getattr(args, n) is not None}
 
     def f():
-        return pisa_select(q, k, block_size=C, topk=K)
+        return pisa_select(q, k, block_size=C, topk=K, **knobs)
     for _ in range(3):
         f()
     torch.cuda.synchronize()
@@ -38,11 +45,11 @@ def main():
     kernels = {e.key: e.self_device_time_total / 5 / 1e3 for e in prof.key_averages()
                if e.self_device_time_total > 0}
     rows = [{"kernel": name, "ms": ms} for name, ms in sorted(kernels.items(), key=lambda x: -x[1])]
-    print(f"pisa from {pisa.__file__}: {total:.2f} ms")
+    print(f"pisa from {pisa.__file__} {knobs}: {total:.2f} ms")
     for r in rows[:6]:
         print(f"  {r['kernel'][:50]:50s} {r['ms']:8.3f} ms")
     write_result(args.json, meta("cuda", command(), pisa=pisa.__file__, T=args.len,
-                                 select_ms=total), rows)
+                                 select_ms=total, **knobs), rows)
 
 
 if __name__ == "__main__":
