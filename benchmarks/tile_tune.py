@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from attn_kernel import random_selection
-from common import (C, D, DTYPE, HKV, HQ, K, Results, attn_tflops, keys_attended, randn_qkv,
+from common import (C, D, HKV, HQ, K, Results, attn_tflops, keys_attended, randn_qkv,
                     result_row, shape, time_ms)
 from pisa.ops.attn import triton as kern
 
