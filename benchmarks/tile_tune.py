@@ -4,10 +4,11 @@
 
 Config A at ``--len`` tokens (bf16, B=1, HQ=64, HKV=4, D=128, C=64, K=16), one random selection
 per query tile of ``--query-tile`` tokens (``attn_kernel.random_selection`` shared by the tile's
-tokens). Each kernel is timed alone (``time_ms``) for every setting of its ``KernelConfig`` knobs
-in the grid below, the others at their defaults; rows give ms and effective TFLOP/s
-(``common.attn_tflops``, the forward counting 4 * HQ * D * keys per token; dQ and dK/dV by their
-products, ``_PASSES``). ``--budget`` seconds stops the sweep early (what finished is written).
+tokens, or by ``--share`` tokens; ``--query-tile 1`` times the per-token kernels). Each kernel is
+timed alone (``time_ms``) for every setting of its ``KernelConfig`` knobs in the grid below, the
+others at their defaults; rows give ms and effective TFLOP/s (``common.attn_tflops``, the forward
+counting 4 * HQ * D * keys per token; dQ and dK/dV by their products, ``_PASSES``). ``--budget``
+seconds stops the sweep early (what finished is written).
 """
 from __future__ import annotations
 
@@ -31,15 +32,22 @@ _PASSES = {"fwd": 1.0, "dq": 1.5, "dkv": 2.0}
 GRID = {
     "fwd": dict(tile_fwd_rows=(64, 128, 256), tile_fwd_warps=(4, 8), tile_fwd_stages=(2, 3)),
     "dq": dict(tile_dq_rows=(64, 128, 256), tile_dq_warps=(4, 8), tile_dq_stages=(2, 3)),
-    "dkv": dict(tile_dkv_rows=(64, 128, 256), tile_dkv_warps=(4, 8), tile_dkv_stages=(2, 3),
+    "dkv": dict(tile_dkv_rows=(32, 64, 128), tile_dkv_warps=(2, 4, 8), tile_dkv_stages=(2,),
                 dkv_chunk=(512, 2048)),
+}
+# per-token selections (--query-tile 1): the per-token kernels' knobs
+GRID_TOKEN = {
+    "fwd": dict(fwd_rows=(64, 128), fwd_warps=(4, 8), fwd_stages=(2, 3)),
+    "dq": dict(dq_rows=(64, 128), dq_warps=(4, 8), dq_stages=(2, 3)),
+    "dkv": dict(dkv_rows=(32, 64, 128), dkv_warps=(4, 8), dkv_stages=(2,), dkv_chunk=(512, 2048)),
 }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--len", type=int, default=131072)
-    ap.add_argument("--query-tile", type=int, default=16)
+    ap.add_argument("--query-tile", type=int, default=16, help="1: the per-token kernels")
+    ap.add_argument("--share", type=int, default=None, help="tokens sharing random picks")
     ap.add_argument("--kernels", nargs="+", default=list(GRID), choices=list(GRID))
     ap.add_argument("--budget", type=float, default=240.0)
     ap.add_argument("--json", type=Path)
@@ -47,24 +55,29 @@ def main():
     T, qt = args.len, args.query_tile
     q, k, v = randn_qkv(T, HQ, HKV, D, seed=0)
     do = torch.randn_like(q)
-    per_token = random_selection(1, T, HKV, C, K, share=qt)
+    per_token = random_selection(1, T, HKV, C, K, share=args.share or qt)
     keys = keys_attended(per_token, T, C)
     idx = per_token[:, ::qt].contiguous()
     del per_token
     scale = D ** -0.5
     base = kern.KernelConfig()
-    o, lse = kern._tile_fwd(q, k, v, idx, C, scale, qt, base)
+    if qt == 1:
+        calls = {
+            "fwd": lambda cfg: kern._attn_fwd(q, k, v, idx, C, scale, cfg),
+            "dq": lambda cfg: kern._attn_dq(q, k, v, do, lse, delta, idx, C, scale, cfg)}
+    else:
+        calls = {
+            "fwd": lambda cfg: kern._tile_fwd(q, k, v, idx, C, scale, qt, cfg),
+            "dq": lambda cfg: kern._tile_dq(q, k, v, do, lse, delta, idx, C, scale, qt, cfg)}
+    calls["dkv"] = lambda cfg: kern._attn_dkv(q, k, v, do, lse, delta, idx, C, scale, False, qt,
+                                              cfg)
+    o, lse = calls["fwd"](base)
     delta = kern._delta(o, do, None)
-    calls = {
-        "fwd": lambda cfg: kern._tile_fwd(q, k, v, idx, C, scale, qt, cfg),
-        "dq": lambda cfg: kern._tile_dq(q, k, v, do, lse, delta, idx, C, scale, qt, cfg),
-        "dkv": lambda cfg: kern._attn_dkv(q, k, v, do, lse, delta, idx, C, scale, False, qt,
-                                          cfg),
-    }
-    out = Results(args.json, "cuda", query_tile=qt, T=T, keys_per_token=keys)
+    out = Results(args.json, "cuda", query_tile=qt, share=args.share or qt, T=T,
+                  keys_per_token=keys)
     t_start = time.time()
     for name in args.kernels:
-        knobs = GRID[name]
+        knobs = (GRID_TOKEN if qt == 1 else GRID)[name]
         for values in itertools.product(*knobs.values()):
             if time.time() - t_start > args.budget:
                 break

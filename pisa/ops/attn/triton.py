@@ -439,7 +439,7 @@ class KernelConfig:
     tile_dq_warps: int = 8
     tile_dq_stages: int = 2
     tile_dkv_rows: int = 64
-    tile_dkv_warps: int = 8
+    tile_dkv_warps: int = 4
     tile_dkv_stages: int = 2
     # 32, not the 16 rows tl.dot needs: 16-row tiles gave wrong outputs on the H200 (see
     # ``_tile_tokens``)
