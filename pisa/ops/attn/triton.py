@@ -413,32 +413,35 @@ def _reduce_parts_kernel(dk, dv, part_k, part_v, items, T_K, HKV, N_BLOCKS,
 class KernelConfig:
     """Launch knobs. A program's rows are (query token, GQA head) pairs.
 
-    Per-token selections (the defaults are the measured best on the H200): about ``rows // G``
-    tokens per tile (``_tile_tokens``: a power of two, at least 2 tokens and 16 rows), so
-    ``fwd_rows=128`` with ``G=16`` tiles 8 tokens.
+    Per-token selections: about ``rows // G`` tokens per tile (``_tile_tokens``: a power of two,
+    at least 2 tokens and 16 rows), so ``fwd_rows=128`` with ``G=16`` tiles 8 tokens.
 
-    Tile selections (``tile_*``, not yet measured): a forward / dQ program owns at most
-    ``tile_fwd_rows`` / ``tile_dq_rows`` rows of one query tile (a larger tile is split over
-    several programs) and at least ``tile_min_rows`` (a smaller tile is padded); a dK/dV step
-    gathers ``tile_dkv_rows`` rows (several small tiles, or a part of a large one)."""
+    Tile selections (``tile_*``): a forward / dQ program owns at most ``tile_fwd_rows`` /
+    ``tile_dq_rows`` rows of one query tile (a larger tile is split over several programs) and at
+    least ``tile_min_rows`` (a smaller tile is padded); a dK/dV step gathers ``tile_dkv_rows``
+    rows (several small tiles, or a part of a large one).
+
+    The defaults are the best of ``benchmarks/tile_tune.py`` on the H200 (config A at 128K,
+    ``tile_tune_h200_*.json``): dK/dV wants small steps at 4 warps (32 rows: 31 ms per token,
+    30 ms for 16-token tiles, against 52 / 54 ms at 64 rows and 8 warps)."""
 
     fwd_rows: int = 64
     fwd_warps: int = 4
     fwd_stages: int = 2
-    dq_rows: int = 64
-    dq_warps: int = 4
-    dq_stages: int = 2
-    dkv_rows: int = 64
-    dkv_warps: int = 8
+    dq_rows: int = 128
+    dq_warps: int = 8
+    dq_stages: int = 3
+    dkv_rows: int = 32
+    dkv_warps: int = 4
     dkv_stages: int = 2
-    dkv_chunk: int = 512  # most query tokens one dK/dV program handles; longer lists are split
+    dkv_chunk: int = 2048  # most query tokens one dK/dV program handles; longer lists are split
     tile_fwd_rows: int = 128
     tile_fwd_warps: int = 8
     tile_fwd_stages: int = 2
-    tile_dq_rows: int = 128
-    tile_dq_warps: int = 8
+    tile_dq_rows: int = 64
+    tile_dq_warps: int = 4
     tile_dq_stages: int = 2
-    tile_dkv_rows: int = 64
+    tile_dkv_rows: int = 32
     tile_dkv_warps: int = 4
     tile_dkv_stages: int = 2
     # 32, not the 16 rows tl.dot needs: 16-row tiles gave wrong outputs on the H200 (see
