@@ -52,8 +52,8 @@ import torch.distributed as dist
 from .ops.attn import sparse_attn
 from .ops.pyramid.torch_backend import leaf_summaries, pyramid_from_leaves
 from .ops.select import select
-from .ops.utils.config import (AUTO_CROSSOVER_T, SelectConfig, check_qk, resolve_backend,
-                               resolve_config)
+from .ops.utils.config import (AUTO_CROSSOVER_T, SelectConfig, check_knobs, check_qk,
+                               resolve_backend, resolve_config)
 from .ops.utils.geometry import cdiv
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -489,6 +489,48 @@ class _FetchKV(torch.autograd.Function):
 # The public function
 # ------------------------------------------------------------------------------------------------
 
+def _setup(q, k, group, layout, backend, knobs):
+    """The resolved backend, ``ShardLayout`` and ``SelectConfig`` of a call (``pisa_select_cp`` /
+    ``pisa_attn_cp``)."""
+    check_qk(q, k)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q has {q.shape[1]} tokens but k {k.shape[1]}: context parallelism is "
+                         "self-attention over the same sharded tokens")
+    if q.shape[0] == 0:
+        raise ValueError("context parallelism needs batch >= 1")
+    backend = resolve_backend(backend, q)
+    check_knobs(backend=backend, **knobs)  # before the layout's collective reads block_size
+    C = knobs["block_size"]
+    lay = layout if isinstance(layout, ShardLayout) else shard_layout(
+        q.shape[1], group=group, layout=layout, block_size=C, device=q.device)
+    if lay.block_size != C or lay.local_len() != q.shape[1]:
+        raise ValueError(f"layout holds {lay.local_len()} tokens in blocks of {lay.block_size} "
+                         f"on this rank, but q has {q.shape[1]} and block_size={C}")
+    if knobs["selector"] == "auto":
+        knobs = {**knobs, "selector": "flat_lse" if lay.seqlen < AUTO_CROSSOVER_T else "pyramid"}
+    return backend, lay, resolve_config(q, k, backend, **knobs)
+
+
+def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,
+                   layout: str | ShardLayout = "zigzag", block_size: int = _C, topk: int = _K,
+                   branching: int = _G, beam: int | None = None, beam_leaf: int | None = None,
+                   scorer: str = "lse", selector: str = "pyramid", forced_in_budget: bool = True,
+                   scale: float | None = None, query_tile: int = 1, tile_reduce: str = "sum",
+                   backend: str = "auto") -> torch.Tensor:
+    """``pisa_select`` of a sequence sharded over ``group`` (a collective; arguments as in
+    ``pisa_attn_cp``): this rank's rows of the global selection, ``block_idx (batch, rows_r,
+    nheads_k, slots)`` int32 of global block ids, the rows of its ranges concatenated (one per
+    token, or per query tile of each range with ``query_tile > 1``): ``shard`` of the
+    single-process ``block_idx`` (along its rows, with ``block_size // query_tile`` rows a
+    block). No gradient."""
+    knobs = dict(block_size=block_size, topk=topk, branching=branching, beam=beam,
+                 beam_leaf=beam_leaf, scorer=scorer, selector=selector,
+                 forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
+                 tile_reduce=tile_reduce)
+    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs)
+    return torch.cat(_select_cp(q.detach(), k.detach(), lay, cfg, backend, group), dim=1)
+
+
 def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
                  layout: str | ShardLayout = "zigzag", block_size: int = _C, topk: int = _K,
                  branching: int = _G, beam: int | None = None, beam_leaf: int | None = None,
@@ -503,7 +545,7 @@ def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=Non
         q: (batch, seqlen_r, nheads, headdim), this rank's queries, fp16/bf16/fp32 (fp64 for
             the torch / naive backends).
         k, v: (batch, seqlen_r, nheads_k, headdim): the keys and values of the same tokens
-            (self-attention; causal over global positions). ``batch == 0`` is not supported.
+            (self-attention; causal over global positions). ``batch >= 1``.
         group: the ``torch.distributed`` process group the sequence is sharded over (default:
             the world). Its backend must carry ``all_gather_single`` and ``all_to_all_single``
             (NCCL, gloo).
@@ -521,33 +563,21 @@ def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=Non
             Differentiable in q, k, v (the backward is a collective too: every rank runs it).
         lse (only if return_lse): (batch, nheads, seqlen_r) fp32.
 
-    Memory per rank beyond its shard: the global pyramid's leaves (``cdiv(T, C)`` vectors per
-    batch and KV head), the keys of the whole sequence during selection (freed before attention),
-    and the K / V of the remote blocks its queries selected, without duplicates (at most those of
-    the causal prefix). ``comm_bytes`` counts what it sends.
+    Memory per rank beyond its shard: the global pyramid (about ``2 * cdiv(T, C)`` vectors per
+    batch and KV head at ``g = 2``), the keys of the whole sequence during selection (freed before
+    attention), and the K / V of the remote blocks its queries selected, without duplicates (at
+    most those of the causal prefix). ``comm_bytes`` counts what it sends.
     """
     check_qk(q, k, v)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q has {q.shape[1]} tokens but k {k.shape[1]}: pisa_attn_cp is "
-                         "self-attention over the same sharded tokens")
-    if q.shape[0] == 0:
-        raise ValueError("pisa_attn_cp needs batch >= 1")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    backend = resolve_backend(backend, q)
-    lay = layout if isinstance(layout, ShardLayout) else shard_layout(
-        q.shape[1], group=group, layout=layout, block_size=block_size, device=q.device)
-    if lay.block_size != block_size or lay.local_len() != q.shape[1]:
-        raise ValueError(f"layout holds {lay.local_len()} tokens in blocks of {lay.block_size} "
-                         f"on this rank, but q has {q.shape[1]} and block_size={block_size}")
-    if selector == "auto":
-        selector = "flat_lse" if lay.seqlen < AUTO_CROSSOVER_T else "pyramid"
-    cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
-                         beam=beam, beam_leaf=beam_leaf, scorer=scorer, selector=selector,
-                         forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
-                         tile_reduce=tile_reduce)
+    knobs = dict(block_size=block_size, topk=topk, branching=branching, beam=beam,
+                 beam_leaf=beam_leaf, scorer=scorer, selector=selector,
+                 forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
+                 tile_reduce=tile_reduce)
+    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs)
     B, H = k.shape[0], k.shape[2]
     block_idx = _select_cp(q.detach(), k.detach(), lay, cfg, backend, group)
     with torch.no_grad():
@@ -555,9 +585,8 @@ def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=Non
     kv = iter(_FetchKV.apply(k, v, plan, block_size))
     outs, lses = [], []
     for idx, (s, e), o in zip(remapped, lay.local_ranges, _offsets(lay.local_ranges)):
-        ok, ov = next(kv), next(kv)
-        out, lse = sparse_attn(q[:, o:o + e - s], ok, ov, idx, block_size, cfg.scale, backend,
-                               deterministic, cfg.query_tile)
+        out, lse = sparse_attn(q[:, o:o + e - s], next(kv), next(kv), idx, block_size,
+                               cfg.scale, backend, deterministic, cfg.query_tile)
         outs.append(out)
         lses.append(lse)
     out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=2)
