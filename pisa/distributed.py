@@ -173,8 +173,12 @@ def _checked(lay: ShardLayout) -> ShardLayout:
     return lay
 
 
-def _full_layout(seqlen: int, world: int, rank: int, layout: str, block_size: int,
-                 lengths: list[int] | None) -> ShardLayout:
+def make_layout(seqlen: int, *, world: int, rank: int, layout: str = "zigzag",
+                block_size: int = _C, lengths: list[int] | None = None) -> ShardLayout:
+    """The ``ShardLayout`` of ``seqlen`` tokens over ``world`` ranks as seen by ``rank``, without
+    communication (what ``shard`` cuts; ``shard_layout`` finds it from the shards instead).
+    ``lengths``: the contiguous layout's shard lengths (default: whole blocks, as even as they
+    come, the last rank taking the ragged tail)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "zigzag":
@@ -182,7 +186,7 @@ def _full_layout(seqlen: int, world: int, rank: int, layout: str, block_size: in
             raise ValueError("lengths is for layout='contiguous' (zigzag shards are fixed)")
         ranges = zigzag_ranges(seqlen, world, block_size)
     else:
-        if lengths is None:  # whole blocks, as even as they come; the last rank takes the tail
+        if lengths is None:
             n = cdiv(seqlen, block_size)
             cut = [min(seqlen, block_size * (r * n // world)) for r in range(world)] + [seqlen]
             lengths = [cut[r + 1] - cut[r] for r in range(world)]
@@ -204,7 +208,8 @@ def shard(x: torch.Tensor, *, group=None, rank: int | None = None, world: int | 
     layout's shard lengths (default: whole blocks, as even as they come)."""
     if rank is None or world is None:
         rank, world = _group_rank_world(group)
-    lay = _full_layout(x.shape[dim], world, rank, layout, block_size, lengths)
+    lay = make_layout(x.shape[dim], world=world, rank=rank, layout=layout,
+                      block_size=block_size, lengths=lengths)
     return torch.cat([x.narrow(dim, s, e - s) for s, e in lay.local_ranges], dim=dim)
 
 
@@ -233,7 +238,8 @@ def shard_positions(seqlen: int, *, group=None, layout: str = "zigzag", block_si
                     lengths: list[int] | None = None, device=None) -> torch.Tensor:
     """Global positions ``[T_r]`` int64 of this rank's tokens under ``shard``'s layout."""
     rank, world = _group_rank_world(group)
-    return _full_layout(seqlen, world, rank, layout, block_size, lengths).positions(device)
+    return make_layout(seqlen, world=world, rank=rank, layout=layout, block_size=block_size,
+                       lengths=lengths).positions(device)
 
 
 # ------------------------------------------------------------------------------------------------
