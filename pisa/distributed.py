@@ -407,8 +407,7 @@ def _plan(block_idx: list, lay: ShardLayout, B: int, H: int, device, group):
         per_range.append((o, e - s, n_slots, remap, uniq, slot, mine))
         remote.append(uniq[~mine])
     # this rank's requests: unique (batch, head, block) triples, grouped by owner
-    req = torch.unique(torch.cat(remote)) if remote else torch.empty(0, dtype=torch.int64,
-                                                                        device=device)
+    req = torch.unique(torch.cat(remote))
     req_owner = owner[req % N]
     order = torch.sort(req_owner * (B * H * N) + req).indices
     req, req_owner = req[order], req_owner[order]

@@ -88,7 +88,8 @@ def _two_ranks():
     # communication is counted; a shard of the wrong length is refused by name
     reset_comm_bytes()
     q, k, v, _ = _inputs(300, 4, 2)
-    pisa_attn_cp(*(shard(x, block_size=C) for x in (q, k, v)), block_size=C, topk=5, backend="torch")
+    pisa_attn_cp(*(shard(x, block_size=C) for x in (q, k, v)), block_size=C, topk=5,
+                 backend="torch")
     sent = comm_bytes()
     assert sent["kv"] > 0 and sent["summaries"] > 0 and sent["total"] == sum(
         n for key, n in sent.items() if key != "total")

@@ -58,8 +58,8 @@ def pyramid_from_leaves(sums: torch.Tensor, n_tokens: int, block_size: int, bran
     counts = _upper(leaf_counts[None], branching, n_levels, "sum")[0]
     means = _upper(sums, branching, n_levels, "sum") / counts[None, :, None, None]
     if mins is not None:
-        mins, maxs = (_upper(x, branching, n_levels, r) for x, r in ((mins, "amin"),
-                                                                       (maxs, "amax")))
+        mins = _upper(mins, branching, n_levels, "amin")
+        maxs = _upper(maxs, branching, n_levels, "amax")
     return Pyramid(means, counts.to(torch.int32), offsets, mins, maxs)
 
 
