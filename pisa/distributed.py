@@ -142,7 +142,7 @@ def shard_layout(local_len: int, *, group=None, layout: str = "zigzag",
     rank, world = _group_rank_world(group)
     mine = torch.tensor([local_len], dtype=torch.int64, device=device)
     lens = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_single(lens, mine, group=group)
+    _all_gather(lens, mine, group)
     _BYTES["lengths"] += 8 * (world - 1)
     lengths = lens.tolist()
     T = sum(lengths)
@@ -224,7 +224,7 @@ def unshard(x: torch.Tensor, *, group=None, layout: str = "zigzag", block_size: 
     buf = x.new_zeros(longest, *x.shape[1:])
     buf[:x.shape[0]] = x
     out = x.new_empty(lay.world * longest, *x.shape[1:])
-    dist.all_gather_single(out, buf, group=group)
+    _all_gather(out, buf, group)
     full = x.new_empty(lay.seqlen, *x.shape[1:])
     for p, ranges in enumerate(lay.ranges):
         o = p * longest
@@ -246,15 +246,20 @@ def shard_positions(seqlen: int, *, group=None, layout: str = "zigzag", block_si
 # Gathering what every rank needs
 # ------------------------------------------------------------------------------------------------
 
-def _gather_rows(x: torch.Tensor, lay: ShardLayout, rows_of, group) -> torch.Tensor:
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``all_gather_single`` (torch >= 2.13), ``all_gather_into_tensor`` before it."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _gather_rows(x: torch.Tensor, lay: ShardLayout, rows_of, group) -> tuple[torch.Tensor, int]:
     """All-gather ``x [B, n_r, ...]`` (rank ``p`` holds ``rows_of(p)`` rows: one per block or per
     token of its ranges, in local order), padded to the longest; returns the gathered
-    ``[world, B, n_max, ...]``."""
+    ``[world, B, n_max, ...]`` and the bytes this rank sent."""
     n_max = max(rows_of(p) for p in range(lay.world))
     buf = x.new_zeros(x.shape[0], n_max, *x.shape[2:])
     buf[:, :x.shape[1]] = x
     out = x.new_empty(lay.world * x.shape[0], n_max, *x.shape[2:])
-    dist.all_gather_single(out, buf, group=group)
+    _all_gather(out, buf, group)
     return out.view(lay.world, *buf.shape), buf.numel() * buf.element_size() * (lay.world - 1)
 
 
@@ -263,8 +268,9 @@ def _leaf_rows(lay: ShardLayout, p: int) -> int:
     return sum(cdiv(e, lay.block_size) - s // lay.block_size for s, e in lay.ranges[p])
 
 
-def _global_pyramid(k: torch.Tensor, lay: ShardLayout, cfg: SelectConfig, group):
-    """The pyramid of the whole sequence from every rank's leaf summaries (one all-gather)."""
+def _global_leaves(k: torch.Tensor, lay: ShardLayout, cfg: SelectConfig, group):
+    """The leaf summaries of the whole sequence, ``(sums, mins, maxs)`` ``[B, cdiv(T, C), HKV,
+    D]`` (bounds only for ``scorer="bound"``, else None), from every rank's (one all-gather)."""
     C = lay.block_size
     n_cat = 3 if cfg.uses_bounds else 1
     leaves = torch.cat([torch.cat(leaf_summaries(k[:, o:o + e - s], C, cfg.uses_bounds)[:n_cat],
@@ -307,7 +313,7 @@ def _gather_keys(k: torch.Tensor, lay: ShardLayout, group) -> torch.Tensor:
 def _select_cp(q, k, lay: ShardLayout, cfg: SelectConfig, backend: str, group):
     """Per local range: the selection of its queries (``pisa_select``'s rows, global block ids)."""
     C, g = lay.block_size, cfg.branching
-    leaves = _global_pyramid(k, lay, cfg, group)
+    leaves = _global_leaves(k, lay, cfg, group)
     keys = _gather_keys(k, lay, group)
     out = []
     for (s, e), o in zip(lay.local_ranges, _offsets(lay.local_ranges)):
@@ -552,7 +558,7 @@ def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=Non
         k, v: (batch, seqlen_r, nheads_k, headdim): the keys and values of the same tokens
             (self-attention; causal over global positions). ``batch >= 1``.
         group: the ``torch.distributed`` process group the sequence is sharded over (default:
-            the world). Its backend must carry ``all_gather_single`` and ``all_to_all_single``
+            the world). Its backend must carry all-gathers and ``all_to_all_single``
             (NCCL, gloo).
         layout: "zigzag" (default) | "contiguous" | a ``ShardLayout``: where each rank's tokens
             sit in the sequence (module docstring; ``shard`` cuts a full tensor accordingly).
