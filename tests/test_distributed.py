@@ -2,7 +2,6 @@
 spawned by ``torch.multiprocessing``, against single-process ``pisa_select`` / ``pisa_attn`` of
 the gathered sequence (fp64 torch backend: selections and forward outputs bitwise, dK / dV up to
 their summation order). One process group per test serves all its cases."""
-import os
 
 import pytest
 import torch
