@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1] / "pisa"
 RANKS = [
     ("pisa.ops.utils", 0), ("pisa.ops.pyramid", 1), ("pisa.ops.select", 2), ("pisa.ops.attn", 2),
     ("pisa.ops.decode", 3), ("pisa.results", 4), ("pisa.cache", 5), ("pisa.api", 6),
-    ("pisa.layers", 7), ("pisa.integrations", 7), ("pisa.eval", 8), ("pisa.bench", 9),
-    ("pisa.cli", 10), ("pisa.version", 0), ("pisa", 11),
+    ("pisa.distributed", 6), ("pisa.layers", 7), ("pisa.integrations", 7), ("pisa.eval", 8),
+    ("pisa.bench", 9), ("pisa.cli", 10), ("pisa.version", 0), ("pisa", 11),
 ]
 
 

@@ -110,6 +110,15 @@ class GPT(nn.Module):
             for block in self.blocks:
                 block.attn.pisa_kwargs["beam"] = beam
 
+    def set_context_parallel(self, group, layout: str = "zigzag") -> None:
+        """Shard the sequence over the ranks of ``group`` from now on (``pisa.distributed``; the
+        sparse arms only): ``forward`` then takes this rank's shard of the ids
+        (``pisa.distributed.shard``) and returns its rows of the logits. ``None`` turns it off."""
+        if self.cfg.arm == "dense":
+            raise ValueError("context parallelism needs a sparse arm (pisa_attn_cp), got 'dense'")
+        for block in self.blocks:
+            block.attn.cp_group, block.attn.cp_layout = group, layout
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

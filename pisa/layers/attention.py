@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import pisa_attn
+from ..distributed import LAYOUTS, pisa_attn_cp, shard_layout
 from ..ops.utils.config import SelectConfig, check_knobs, check_positive_int
 
 ATTN_MODES = ("pisa", "dense")
@@ -16,12 +17,15 @@ PISA_KWARGS = ("block_size", "topk", "branching", "beam", "beam_leaf", "scorer",
                "backend")
 
 
-def rotary_tables(seqlen: int, head_dim: int, theta: float, device, offset: int = 0):
-    """cos/sin ``[seqlen, head_dim // 2]`` for positions ``offset .. offset + seqlen - 1``."""
+def rotary_tables(seqlen: int, head_dim: int, theta: float, device, offset: int = 0,
+                  positions: torch.Tensor | None = None):
+    """cos/sin ``[seqlen, head_dim // 2]`` for positions ``offset .. offset + seqlen - 1``, or for
+    the given ``positions [seqlen]`` (a context-parallel shard's global positions)."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
                           / head_dim)
-    ang = torch.outer(torch.arange(offset, offset + seqlen, device=device,
-                                   dtype=torch.float32), inv)
+    if positions is None:
+        positions = torch.arange(offset, offset + seqlen, device=device)
+    ang = torch.outer(positions.to(device=device, dtype=torch.float32), inv)
     return ang.cos(), ang.sin()
 
 
@@ -61,6 +65,12 @@ class PisaAttention(nn.Module):
         rope_theta: RoPE base (default 10000). Keys are pooled after RoPE, as attention sees them.
         attn: ``"pisa"`` (default) or ``"dense"`` (SDPA, the quality baseline with the same
             weights).
+        cp_group: a ``torch.distributed`` process group to shard the sequence over (context
+            parallelism, ``pisa.distributed``), or None (default). With one, ``x`` is this rank's
+            shard ``[B, T_r, hidden_size]`` laid out by ``cp_layout`` (``pisa.distributed.shard``
+            cuts it), RoPE takes the tokens' global positions and the core is ``pisa_attn_cp``
+            (always sparse: no SDPA path; ``attn="dense"`` is refused).
+        cp_layout: ``"zigzag"`` (default) or ``"contiguous"``, the shards' layout.
         **pisa_kwargs: forwarded to ``pisa_attn`` (block_size, topk, branching, beam,
             beam_leaf, scorer, selector, forced_in_budget, scale, query_tile, tile_reduce,
             deterministic, backend), checked here at
@@ -71,14 +81,16 @@ class PisaAttention(nn.Module):
             ``pisa_attn(*layer.qkv(x), return_lse=True)`` for the log-normaliser).
 
     While ``T <= topk * block_size`` every causal block fits in the budget, so PISA attends all of
-    them: the layer computes that exact result with SDPA instead of selecting and gathering.
+    them: the layer computes that exact result with SDPA instead of selecting and gathering
+    (without ``cp_group``).
 
     Input ``x [B, T, hidden_size]`` -> output of the same shape.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, rope_theta: float = 10000.0, bias: bool = False,
-                 attn: str = "pisa", **pisa_kwargs):
+                 attn: str = "pisa", cp_group=None, cp_layout: str = "zigzag",
+                 **pisa_kwargs):
         super().__init__()
         check_positive_int("hidden_size", hidden_size)
         check_positive_int("num_heads", num_heads)
@@ -97,6 +109,11 @@ class PisaAttention(nn.Module):
         if attn == "pisa" and self.head_dim > 256:
             raise ValueError(f"head_dim must be <= 256 for attn='pisa', got {self.head_dim}")
         _check_pisa_kwargs(pisa_kwargs)
+        if cp_layout not in LAYOUTS:
+            raise ValueError(f"cp_layout must be one of {LAYOUTS}, got {cp_layout!r}")
+        if cp_group is not None and attn != "pisa":
+            raise ValueError("cp_group needs attn='pisa' (context parallelism runs pisa_attn_cp)")
+        self.cp_group, self.cp_layout = cp_group, cp_layout
         self.rope_theta, self.attn, self.pisa_kwargs = rope_theta, attn, pisa_kwargs
         scale = pisa_kwargs.get("scale")
         self.scale = None if scale is None else float(scale)  # SDPA's None is head_dim ** -0.5
@@ -107,17 +124,28 @@ class PisaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=bias)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projected, rotated ``q [B, T, HQ, D]``, ``k, v [B, T, HKV, D]`` of ``x``."""
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected, rotated ``q [B, T, HQ, D]``, ``k, v [B, T, HKV, D]`` of ``x``; RoPE at
+        ``positions [T]`` (default ``0 .. T - 1``)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        cos, sin = rotary_tables(T, self.head_dim, self.rope_theta, x.device)
+        cos, sin = rotary_tables(T, self.head_dim, self.rope_theta, x.device,
+                                 positions=positions)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
+        if self.cp_group is not None:
+            layout = shard_layout(T, group=self.cp_group, layout=self.cp_layout,
+                                  block_size=self.pisa_kwargs.get("block_size",
+                                                                  SelectConfig.block_size),
+                                  device=x.device)
+            q, k, v = self.qkv(x, layout.positions(x.device))
+            o = pisa_attn_cp(q, k, v, group=self.cp_group, layout=layout, **self.pisa_kwargs)
+            return self.o_proj(o.reshape(B, T, -1))
         q, k, v = self.qkv(x)
         if self.attn == "dense" or T <= self.dense_up_to:
             o = F.scaled_dot_product_attention(

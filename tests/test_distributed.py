@@ -1,0 +1,134 @@
+"""``pisa.distributed``: context-parallel selection and attention on gloo (CPU), 2 and 4 processes
+spawned by ``torch.multiprocessing``, against single-process ``pisa_select`` / ``pisa_attn`` of
+the gathered sequence (fp64 torch backend: selections and forward outputs bitwise, dK / dV up to
+their summation order). One process group per test serves all its cases."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pisa import PisaAttention, pisa_attn, pisa_select
+from pisa.distributed import (comm_bytes, pisa_attn_cp, pisa_select_cp, reset_comm_bytes, shard,
+                              shard_positions, unshard, zigzag_ranges)
+
+C = 8
+# (layout, T, contiguous shard lengths or None, HQ, HKV, knobs)
+CASES_2 = [
+    ("zigzag", 300, None, 4, 2, dict(topk=5, beam=3)),
+    ("contiguous", 203, [96, 107], 4, 1, dict(topk=5, beam=3)),  # ragged, GQA 4
+    ("zigzag", 257, None, 2, 2, dict(topk=4, beam=2, scorer="bound", query_tile=4)),
+    ("contiguous", 160, [40, 120], 4, 2, dict(topk=6, beam_leaf=4, tile_reduce="lse",
+                                              query_tile=2, forced_in_budget=False)),
+    ("zigzag", 200, None, 4, 2, dict(topk=5, selector="flat_mean")),
+]
+CASES_4 = [
+    ("zigzag", 330, None, 4, 2, dict(topk=5, beam=3)),
+    ("contiguous", 300, [64, 24, 136, 76], 2, 1, dict(topk=4, beam=2, query_tile=4)),
+]
+
+
+def _run(world: int, fn, tmp_path) -> None:
+    mp.spawn(_worker, args=(world, fn, str(tmp_path / "store")), nprocs=world)
+
+
+def _worker(rank: int, world: int, fn, store: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    try:
+        fn()
+    finally:
+        dist.destroy_process_group()
+
+
+def _inputs(T, HQ, HKV, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, T, HQ, 16, dtype=torch.float64, generator=g)
+    k = torch.randn(2, T, HKV, 16, dtype=torch.float64, generator=g)
+    v = torch.randn(2, T, HKV, 16, dtype=torch.float64, generator=g)
+    do = torch.randn(2, T, HQ, 16, dtype=torch.float64, generator=g)
+    return q, k, v, do
+
+
+def _check_cases(cases):
+    for layout, T, lengths, HQ, HKV, knobs in cases:
+        what = f"{layout} T={T} lengths={lengths} HQ={HQ} HKV={HKV} {knobs}"
+        kw = dict(block_size=C, backend="torch", **knobs)
+        cut = dict(layout=layout, block_size=C, lengths=lengths)
+        q, k, v, do = _inputs(T, HQ, HKV)
+        # selection: this rank's rows of the single-process one (per token or per tile)
+        idx, _ = pisa_select(q, k, **kw)
+        qt = knobs.get("query_tile", 1)
+        ql, kl, vl = (shard(x, **cut) for x in (q, k, v))
+        want = shard(idx, layout=layout, block_size=C // qt,
+                     lengths=None if lengths is None else [n // qt for n in lengths[:-1]]
+                     + [idx.shape[1] - sum(n // qt for n in lengths[:-1])])
+        assert torch.equal(pisa_select_cp(ql, kl, layout=layout, **kw), want), what
+        # attention, lse and gradients
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        o, lse = pisa_attn(q, k, v, return_lse=True, **kw)
+        (o * do).sum().backward()
+        ql, kl, vl = (shard(x.detach(), **cut).requires_grad_() for x in (q, k, v))
+        ol, lsel = pisa_attn_cp(ql, kl, vl, layout=layout, return_lse=True, **kw)
+        (ol * shard(do, **cut)).sum().backward()
+        assert torch.equal(ol, shard(o.detach(), **cut)), what
+        assert torch.equal(lsel, shard(lse.detach(), dim=2, **cut)), what
+        assert torch.equal(ql.grad, shard(q.grad, **cut)), what
+        for name, full, part in (("dk", k.grad, kl.grad), ("dv", v.grad, vl.grad)):
+            torch.testing.assert_close(part, shard(full, **cut), rtol=1e-12, atol=1e-12,
+                                       msg=f"{name}: {what}")
+            torch.testing.assert_close(unshard(part, layout=layout, block_size=C), full,
+                                       rtol=1e-12, atol=1e-12)
+
+
+def _two_ranks():
+    _check_cases(CASES_2)
+    # communication is counted; a shard of the wrong length is refused by name
+    reset_comm_bytes()
+    q, k, v, _ = _inputs(300, 4, 2)
+    pisa_attn_cp(*(shard(x, block_size=C) for x in (q, k, v)), block_size=C, topk=5,
+                 backend="torch")
+    sent = comm_bytes()
+    assert sent["kv"] > 0 and sent["summaries"] > 0 and sent["total"] == sum(
+        n for key, n in sent.items() if key != "total")
+    with pytest.raises(ValueError, match="layout='zigzag'"):
+        pisa_attn_cp(q[:, :150], k[:, :150], v[:, :150], block_size=C, backend="torch")
+    # the layer: a sharded forward and backward equal the single-process layer's
+    torch.manual_seed(0)
+    layer = PisaAttention(32, 4, 2, block_size=C, topk=4, backend="torch").double()
+    cp_layer = PisaAttention(32, 4, 2, block_size=C, topk=4, backend="torch",
+                             cp_group=dist.group.WORLD).double()
+    cp_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 200, 32, dtype=torch.float64)
+    y = layer(x)
+    y.square().sum().backward()
+    y_cp = cp_layer(shard(x, block_size=C))
+    y_cp.square().sum().backward()
+    torch.testing.assert_close(y_cp, shard(y.detach(), block_size=C), rtol=1e-12, atol=1e-12)
+    for p, p_cp in zip(layer.parameters(), cp_layer.parameters()):
+        dist.all_reduce(p_cp.grad)
+        torch.testing.assert_close(p_cp.grad, p.grad, rtol=1e-10, atol=1e-10)
+    assert torch.equal(shard_positions(200, block_size=C), shard(torch.arange(200)[None],
+                                                                 block_size=C)[0])
+
+
+def test_two_ranks(tmp_path):
+    _run(2, _two_ranks, tmp_path)
+
+
+def _four_ranks():
+    _check_cases(CASES_4)
+
+
+def test_four_ranks(tmp_path):
+    _run(4, _four_ranks, tmp_path)
+
+
+def test_zigzag_ranges():
+    """Rank r holds chunks r and 2W-1-r of whole blocks; together they tile the sequence."""
+    ranges = zigzag_ranges(1000, 2, 64)
+    assert ranges == [((0, 256), (768, 1000)), ((256, 512), (512, 768))]
+    spans = sorted(r for rank in zigzag_ranges(333, 3, 8) for r in rank)
+    assert spans[0][0] == 0 and spans[-1][1] == 333
+    assert all(a[1] == b[0] and a[1] % 8 == 0 for a, b in zip(spans, spans[1:]))
