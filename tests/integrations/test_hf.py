@@ -118,17 +118,20 @@ def test_pisa_cache_refuses_overflow_and_mismatched_block_size(rng):
         sparse(ids, cache=cache, use_cache=True)
 
 
-def test_padding_packing_static_caches_and_explicit_masks_are_refused(rng):
+def test_static_caches_explicit_masks_and_padding_with_pisa_cache_are_refused(rng):
     _, sparse = _pair()
     ids = torch.randint(0, 128, (2, 40))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    with pytest.raises(ValueError, match="padded"):
-        sparse(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="PisaHFCache"):
+        sparse(ids, attention_mask=mask, cache=pisa_hf.PisaHFCache(sparse.config, 64),
+               use_cache=True)
     with pytest.raises(ValueError, match="explicit attention mask"):
         sparse(ids, attention_mask=torch.ones(2, 1, 40, 40, dtype=torch.bool))
-    with pytest.raises(ValueError, match="packed"):
-        sparse(ids, position_ids=torch.arange(40).remainder(20)[None], use_cache=False)
+    with torch.no_grad():  # two packed rows of two documents each
+        packed = sparse(ids, position_ids=torch.arange(40).remainder(20)[None], use_cache=False)
+        torch.testing.assert_close(packed.logits[1, 20:], sparse(ids[1:, 20:]).logits[0],
+                                   rtol=1e-4, atol=1e-5)
     from transformers import StaticCache
     with pytest.raises(ValueError, match="static"):
         sparse(ids, cache=StaticCache(config=sparse.config, max_cache_len=64), use_cache=True)
