@@ -55,8 +55,8 @@ def main() -> None:
     n, L = args.docs, args.doc_len
     knobs = dict(block_size=args.block_size, topk=args.topk, branching=G_BR,
                  query_tile=args.query_tile, backend=backend)
-    out = Results(args.out, dev, docs=n, doc_len=L, knobs={k: v for k, v in knobs.items()
-                                                          if k != "backend"})
+    saved = {name: x for name, x in knobs.items() if name != "backend"}
+    out = Results(args.out, dev, docs=n, doc_len=L, knobs=saved)
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(n * L, h, D, device=dev, dtype=dtype, generator=gen)
                .requires_grad_() for h in (HQ, HKV, HKV))

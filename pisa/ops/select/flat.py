@@ -167,7 +167,8 @@ def select_flat_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
         return block_idx, counts
     grid = (cdiv(n_tiles, BT), HKV, B)
     _flat_select_kernel[grid](
-        q, k, means, block_idx, counts, counts if blk0 is None else blk0, Tq, Tk, n_tiles, (Tk - Tq) // Qt, cfg.scale,
+        q, k, means, block_idx, counts, counts if blk0 is None else blk0, Tq, Tk, n_tiles,
+        (Tk - Tq) // Qt, cfg.scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         means.stride(0), means.stride(1), means.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),

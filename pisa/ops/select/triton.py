@@ -565,14 +565,14 @@ def walk(b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p
     for i in range(i0, n_levels - 3):  # the ranked levels above level 2
         b_rest, n_rest = _walk_level(b_rest, n_rest, n_levels - 1 - i, span, W, c0, c1, t_last,
                                      s0, b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh,
-                                     s_mn, p_counts, p_off, scale, WP, C, G_BR, GBP, WP, SCORER, BOUND,
-                                     BO, REDUCE, G, GP, TB, NCH, DP, D, LO, LO_R, F32_PREC)
+                                     s_mn, p_counts, p_off, scale, WP, C, G_BR, GBP, WP, SCORER,
+                                     BOUND, BO, REDUCE, G, GP, TB, NCH, DP, D, LO, LO_R, F32_PREC)
         span = span // G_BR
     if i0 < n_levels - 2:  # level 2 is visited
         b_out, n_out = _walk_level(b_rest, n_rest, 2, span, W2, c0, c1, t_last, s0, b_q, b_ql,
                                    m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts,
-                                   p_off, scale, WPL, C, G_BR, GBP, WP, SCORER, BOUND, BO, REDUCE, G, GP,
-                                   TB, NCH, DP, D, LO, LO_R, F32_PREC)
+                                   p_off, scale, WPL, C, G_BR, GBP, WP, SCORER, BOUND, BO, REDUCE,
+                                   G, GP, TB, NCH, DP, D, LO, LO_R, F32_PREC)
     else:  # skipped: all its free nodes, first .. first + n_rest - 1
         b_out = tl.arange(0, WPL) + first
         n_out = n_rest

@@ -69,8 +69,11 @@ def _attn_both(q, k, v, cu_q, cu_k, knobs, tol, ref_backend=None):
             torch.testing.assert_close(got[s].to(dev), want[0], **tol)
 
 
-@pytest.mark.parametrize("knobs", KNOBS, ids=lambda kn: ",".join(f"{a}={b}" for a, b in
-                                                                  kn.items()) or "default")
+def _knob_id(knobs):
+    return ",".join(f"{a}={b}" for a, b in knobs.items()) or "default"
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=_knob_id)
 def test_torch_equals_each_sequence_alone(knobs, rng):
     q, k, v, cu_q, cu_k = _packed(torch.float64, "cpu")
     knobs = dict(block_size=C, topk=K, beam=2, backend="torch", **knobs)
@@ -137,7 +140,8 @@ def test_bad_inputs_name_the_argument():
     cases = [
         ((q, k, v, bad_order, cu_k, mq, mk), ValueError, "cu_seqlens_q must be non-decreasing"),
         ((q, k, v, cu_q.long(), cu_k, mq, mk), TypeError, "cu_seqlens_q must be int32"),
-        ((q, k, v, cu_q, torch.cat([cu_k, cu_k[-1:]]), mq, mk), ValueError, "cu_seqlens_q and cu_seqlens_k"),
+        ((q, k, v, cu_q, torch.cat([cu_k, cu_k[-1:]]), mq, mk), ValueError,
+         "cu_seqlens_q and cu_seqlens_k"),
         ((q[:-1], k, v, cu_q, cu_k, mq, mk), ValueError, r"cu_seqlens_q\[-1\] must equal"),
         ((q, k[:-1], v[:-1], cu_q, cu_k, mq, mk), ValueError, r"cu_seqlens_k\[-1\] must equal"),
         ((q, k, v, cu_q, cu_k, mq, mk - 1), ValueError, "max_seqlen_k=.* is below"),
