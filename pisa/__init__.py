@@ -10,10 +10,11 @@ with _warnings.catch_warnings():
                              category=UserWarning)
     import torch as _torch  # noqa: F401
 
-from .api import pisa_attn, pisa_attn_with_kvcache, pisa_select  # noqa: E402
+from .api import (pisa_attn, pisa_attn_varlen, pisa_attn_with_kvcache, pisa_select,  # noqa: E402
+                  pisa_select_varlen)
 from .cache import PisaCache  # noqa: E402
 from .layers import PisaAttention  # noqa: E402
 from .version import __version__  # noqa: E402
 
-__all__ = ["pisa_attn", "pisa_select", "pisa_attn_with_kvcache", "PisaCache", "PisaAttention",
-           "__version__"]
+__all__ = ["pisa_attn", "pisa_select", "pisa_attn_varlen", "pisa_select_varlen",
+           "pisa_attn_with_kvcache", "PisaCache", "PisaAttention", "__version__"]

@@ -1,4 +1,5 @@
-"""Public functions: ``pisa_select`` (block selection), ``pisa_attn`` (selection + attention) and
+"""Public functions: ``pisa_select`` (block selection), ``pisa_attn`` (selection + attention),
+their packed-sequence forms ``pisa_select_varlen`` / ``pisa_attn_varlen`` and
 ``pisa_attn_with_kvcache`` (decode and chunked prefill against a ``PisaCache``)."""
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from .ops.attn import sparse_attn
 from .ops.decode import decode_step, prefill_with_cache
 from .ops.decode.kvcache import check_cache, check_new_kv, check_seqlens, write_kv
 from .ops.select import select
-from .ops.utils.config import (SelectConfig, check_block_idx, check_qk, n_query_tiles,
-                               resolve_backend, resolve_config)
+from .ops.utils.config import (AUTO_CROSSOVER_T, SelectConfig, check_block_idx,
+                               check_block_idx_values, check_qk, n_query_tiles, resolve_backend,
+                               resolve_config)
+from .ops.utils.varlen import VarlenLayout, check_varlen, varlen_layout
 
 _C, _K, _G = SelectConfig.block_size, SelectConfig.topk, SelectConfig.branching
 
@@ -156,6 +159,157 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend,
                              deterministic, cfg.query_tile)
     return (o, lse) if return_lse else o
+
+
+_VARLEN_DOC = """
+    Arguments:
+        q: (total_q, nheads, headdim), fp16/bf16/fp32: the queries of ``n_seq`` sequences packed
+            back to back (FlashAttention's ``flash_attn_varlen_func`` layout).
+        k, v: (total_k, nheads_k, headdim), same dtype/device; GQA when nheads_k < nheads.
+        cu_seqlens_q, cu_seqlens_k: (n_seq + 1,) int32, the cumulative sequence lengths:
+            sequence ``i`` is rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` (0 first, the total last,
+            non-decreasing; empty sequences are allowed). Its queries are the last ``len_q_i``
+            of its ``len_k_i`` positions (``len_q_i <= len_k_i``: bottom-right causal).
+        max_seqlen_q, max_seqlen_k: int, at least the longest sequence of each. The launch is
+            sized from them and the shapes, so the call has no host sync; values of CUDA
+            ``cu_seqlens`` are checked by asynchronous device asserts, of CPU ones exactly
+            (``ValueError`` naming the argument).
+
+    Every sequence is selected and attended alone: one pyramid per sequence, its first block
+    the sink, blocks and query tiles aligned to its start; no key of another sequence is ever
+    scored or attended. Knobs as in ``pisa_attn`` (``docs/varlen.md``), except that
+    ``selector="auto"`` decides by ``max_seqlen_k`` for all sequences.
+""" + _SELECT_DOC
+
+
+def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+                  selector, **knobs):
+    """Check packed inputs, resolve the backend and the knobs: ``(backend, cfg)``."""
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_qk(q[None], k[None], None if v is None else v[None])
+    backend = resolve_backend(backend, q)
+    if backend == "naive":
+        raise ValueError("backend='naive' has no packed-sequence form: use 'torch' or 'triton' "
+                         "(or the naive pisa_attn on each sequence)")
+    if selector == "auto":  # one choice for every sequence, by the longest
+        selector = "flat_lse" if max_seqlen_k < AUTO_CROSSOVER_T else "pyramid"
+    cfg = resolve_config(q[None], k[None], backend, selector=selector, **knobs)
+    return backend, cfg
+
+
+def _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg) -> VarlenLayout:
+    return varlen_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_k,
+                         cfg.block_size, cfg.branching)
+
+
+def _varlen_select(q, k, lay: VarlenLayout, cfg: SelectConfig, backend: str):
+    """The selection of the layout row ``[1, rows, HKV, S]`` (global block ids), from the packed
+    ``q``, ``k``."""
+    q_row, k_row = lay.rows(q.detach(), lay.pos_q), lay.rows(k.detach(), lay.pos_k)
+    return select(q_row, k_row, cfg, backend, blk0=lay.blk0)
+
+
+def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                       block_size: int = _C, topk: int = _K, branching: int = _G,
+                       beam: int | None = None, beam_leaf: int | None = None,
+                       scorer: str = "lse", selector: str = "pyramid",
+                       forced_in_budget: bool = True, scale: float | None = None,
+                       query_tile: int = 1, tile_reduce: str = "sum", backend: str = "auto"):
+    """``pisa_select`` of packed sequences (no gradient): per query token and KV head, the blocks
+    of its own sequence it attends.
+    """ + _VARLEN_DOC + """
+    Returns:
+        block_idx: (total_q, nheads_k, slots) int32, ascending, -1 padded: block ids counted from
+            the first block of the token's sequence (row ``j`` equals row ``j - cu_seqlens_q[i]``
+            of ``pisa_select`` on sequence ``i`` alone). One row per token for every
+            ``query_tile`` (the tokens of a tile repeat its row); a valid ``block_idx`` of
+            ``pisa_attn_varlen``.
+        counts: (total_q, nheads_k) int32, the number of valid entries per row.
+    """
+    backend, cfg = _varlen_setup(q, k, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, backend, selector, block_size=block_size,
+                                 topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
+                                 scorer=scorer, forced_in_budget=forced_in_budget, scale=scale,
+                                 query_tile=query_tile, tile_reduce=tile_reduce)
+    if q.shape[0] == 0:
+        return (q.new_full((0, k.shape[1], cfg.slots), -1, dtype=torch.int32),
+                q.new_zeros((0, k.shape[1]), dtype=torch.int32))
+    lay = _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg)
+    idx, cnt = _varlen_select(q, k, lay, cfg, backend)
+    rows = lay.pos_q // cfg.query_tile
+    idx = idx[0].index_select(0, rows)
+    idx = torch.where(idx >= 0, idx - lay.sink_q.to(torch.int32)[:, None, None], -1)
+    return idx, cnt[0].index_select(0, rows)
+
+
+def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, block_size: int = _C, topk: int = _K,
+                     branching: int = _G, beam: int | None = None, beam_leaf: int | None = None,
+                     scorer: str = "lse", selector: str = "pyramid",
+                     forced_in_budget: bool = True, scale: float | None = None,
+                     query_tile: int = 1, tile_reduce: str = "sum", return_lse: bool = False,
+                     block_idx: torch.Tensor | None = None, deterministic: bool = False,
+                     backend: str = "auto"):
+    """``pisa_attn`` of packed sequences, modeled on ``flash_attn_varlen_func``: each sequence's
+    output equals ``pisa_attn`` on it alone.
+    """ + _VARLEN_DOC + """
+    return_lse: bool. Also return the log-normaliser. Default False.
+    block_idx: optional (total_q, nheads_k, S) int32 selection per query token, block ids
+        counted from its sequence's first block (``pisa_select_varlen``'s layout; checked as in
+        ``pisa_attn``, with one host sync); skips the selection step (``query_tile`` is then
+        unused).
+    deterministic: bool. A bitwise reproducible backward (as in ``pisa_attn``). Default False.
+
+    Returns:
+        out: (total_q, nheads, headdim), q's dtype. Differentiable in q, k, v.
+        lse (only if return_lse): (nheads, total_q) fp32, natural log (FlashAttention's varlen
+            layout).
+    """
+    backend, cfg = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, backend, selector, block_size=block_size,
+                                 topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
+                                 scorer=scorer, forced_in_budget=forced_in_budget, scale=scale,
+                                 query_tile=query_tile, tile_reduce=tile_reduce)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if q.shape[0] == 0:
+        o, lse = _empty_attn(q[None], k[None], v[None])
+        return (o[0], lse[0]) if return_lse else o[0]
+    lay = _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg)
+    tile = cfg.query_tile
+    if block_idx is None:
+        idx, _ = _varlen_select(q, k, lay, cfg, backend)
+    else:
+        idx, tile = _varlen_block_idx(block_idx, q, k, lay, max_seqlen_k), 1
+    o, lse = sparse_attn(lay.rows(q, lay.pos_q), lay.rows(k, lay.pos_k), lay.rows(v, lay.pos_k),
+                         idx, cfg.block_size, cfg.scale, backend, deterministic, tile)
+    o, lse = o[0].index_select(0, lay.pos_q), lse[0].index_select(1, lay.pos_q)
+    return (o, lse) if return_lse else o
+
+
+def _varlen_block_idx(block_idx, q, k, lay: VarlenLayout, max_seqlen_k: int) -> torch.Tensor:
+    """A caller's per-token selection ``[total_q, HKV, S]`` (ids from each sequence's first
+    block), checked, as the layout row's ``[1, length, HKV, S]`` (global ids, ``-1`` rows where
+    no query sits)."""
+    if not isinstance(block_idx, torch.Tensor):
+        raise TypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
+    if block_idx.dtype != torch.int32:
+        raise TypeError(f"block_idx must be int32, got {block_idx.dtype}")
+    want = (q.shape[0], k.shape[1])
+    if block_idx.dim() != 3 or tuple(block_idx.shape[:2]) != want:
+        raise ValueError(f"block_idx must have shape [total_q, HKV, S] = [{want[0]}, {want[1]}, "
+                         f"S], got {tuple(block_idx.shape)}")
+    if block_idx.device != q.device:
+        raise ValueError(f"block_idx is on {block_idx.device} but q is on {q.device}")
+    C = lay.block_size
+    check_block_idx_values(block_idx[None], max_seqlen_k, C, first=lay.pos_q - lay.sink_q * C)
+    ids = torch.where(block_idx >= 0, block_idx + lay.sink_q.to(torch.int32)[:, None, None], -1)
+    out = block_idx.new_full((lay.length, *block_idx.shape[1:]), -1)
+    return out.index_copy(0, lay.pos_q, ids).unsqueeze(0)
 
 
 def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tensor | None = None,

@@ -19,11 +19,16 @@ is rebuilt from the keys each step (O(N) per token). ``PisaHFCache`` instead kee
 a ``pisa.PisaCache`` whose pyramid is updated in place as tokens arrive, and attention goes through
 ``pisa_attn_with_kvcache`` (the O(log N) decode path).
 
-Only plain causal attention over unpadded batches is supported: the mask function registered with
-the attention raises on padding, packed sequences and custom masks rather than ignoring them.
-Tested with transformers 5.24.0 (see ``docs/integrations.md``).
+Padded batches (zeros in the 2D ``attention_mask``) and packed ones (``DataCollatorWithFlattening``:
+``position_ids`` restarting inside a row, or its ``cu_seq_lens_q / _k`` and ``max_length_q / _k``
+keyword arguments) run ``pisa_attn_varlen``: the mask function finds the sequences once per
+forward (``PackedBatch``, one host sync) and every layer unpads, attends each sequence alone and
+pads back (zeros at padding). Other custom masks raise rather than being ignored. Tested with
+transformers 5.24.0 (see ``docs/integrations.md``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +40,7 @@ except ImportError as e:  # transformers 4 has no CacheLayerMixin
     raise ImportError("pisa.integrations.hf needs transformers >= 5: "
                       "pip install 'transformers>=5'") from e
 
-from ..api import pisa_attn, pisa_attn_with_kvcache
+from ..api import pisa_attn, pisa_attn_varlen, pisa_attn_with_kvcache
 from ..cache import PisaCache
 from ..ops.utils.config import SelectConfig
 
@@ -55,6 +60,60 @@ def pisa_knobs(config) -> dict:
             for name, default in PISA_DEFAULTS.items()}
 
 
+@dataclass(frozen=True)
+class PackedBatch:
+    """The sequences of a padded or packed batch, found once per forward by ``pisa_mask`` and
+    handed to every layer as its ``attention_mask``: ``pisa_attn_varlen``'s arguments over the
+    real tokens of the flattened ``[B * Tq]`` queries and ``[B * Tk]`` keys (``rows_q`` /
+    ``rows_k``: their flat indices; ``None`` when every token is real, as in packing)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    rows_q: torch.Tensor | None = None
+    rows_k: torch.Tensor | None = None
+
+
+def _varlen_forward(query, key, value, packed: PackedBatch, scaling, knobs):
+    """``pisa_attn_varlen`` of ``query [B, HQ, Tq, D]``, ``key, value [B, HKV, Tk, D]`` over the
+    sequences of ``packed``: ``[B, Tq, HQ, D]``, zeros at padding."""
+    B, _, Tq, _ = query.shape
+    q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+               for x in (query, key, value))
+    if packed.rows_q is not None:
+        q = q.index_select(0, packed.rows_q)
+        k, v = k.index_select(0, packed.rows_k), v.index_select(0, packed.rows_k)
+    o = pisa_attn_varlen(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q,
+                         packed.max_seqlen_k, scale=scaling, **knobs)
+    if packed.rows_q is not None:
+        o = o.new_zeros(B * Tq, *o.shape[1:]).index_copy(0, packed.rows_q, o)
+    return o.view(B, Tq, *o.shape[1:])
+
+
+def _kwargs_batch(kwargs) -> PackedBatch | None:
+    """transformers' flash-attention keyword arguments of a flattened batch
+    (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), when all four are given."""
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    if any(kwargs.get(n) is None for n in names):
+        return None
+    cu_q, cu_k, max_q, max_k = (kwargs[n] for n in names)
+    return PackedBatch(cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k))
+
+
+def _positions_batch(position_ids, query, key) -> PackedBatch | None:
+    """Packed rows told by ``position_ids [B or 1, T]`` alone (a position not one past the
+    previous starts a sequence), as transformers' flash attention reads them: with a cache,
+    transformers makes no packed-sequence mask. One host sync a layer; None without restarts,
+    with a cache holding earlier tokens, or for one token."""
+    T = query.shape[2]
+    if position_ids is None or T == 1 or key.shape[2] != T or position_ids.shape[-1] != T:
+        return None
+    pos = position_ids.expand(query.shape[0], -1)
+    ids = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    return _packed_batch(ids) if bool(ids[:, -1].any()) else None
+
+
 def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                            value: torch.Tensor, attention_mask: torch.Tensor | None,
                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
@@ -65,17 +124,24 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         query: (batch, nheads, seqlen_q, headdim), post-RoPE.
         key, value: (batch, nheads_k, seqlen_k, headdim): the whole cache including the new
             tokens; the queries are its last ``seqlen_q`` positions.
-        attention_mask: must be None (``pisa_mask`` returns None for unpadded causal batches and
-            raises otherwise; a user-made 4D mask reaches here and is refused).
+        attention_mask: None (``pisa_mask``'s for unpadded causal batches) or a ``PackedBatch``
+            (its for padded or packed ones: ``pisa_attn_varlen``); a user-made 4D mask reaches
+            here and is refused.
         scaling: softmax scale, default ``headdim ** -0.5``.
         dropout: must be 0 (attention dropout is not implemented).
         kwargs: ``pisa_cache`` (a ``pisa.PisaCache``, put there by ``PisaHFCache.update``) routes
-            the call through ``pisa_attn_with_kvcache``; the rest is ignored.
+            the call through ``pisa_attn_with_kvcache``; ``cu_seq_lens_q / _k`` with
+            ``max_length_q / _k`` (all four) mark a flattened batch (``pisa_attn_varlen``), as do
+            ``position_ids`` restarting inside a row (read as transformers' flash attention
+            does, one host sync a layer, when no mask told the sequences); the rest is ignored.
 
     Returns:
         (out (batch, seqlen_q, nheads, headdim), None): no attention weights exist to return.
     """
-    if attention_mask is not None:
+    packed = attention_mask if isinstance(attention_mask, PackedBatch) else _kwargs_batch(kwargs)
+    if attention_mask is None and packed is None:
+        packed = _positions_batch(kwargs.get("position_ids"), query, key)
+    if attention_mask is not None and not isinstance(attention_mask, PackedBatch):
         raise ValueError("attn_implementation='pisa' got an explicit attention mask "
                          f"{tuple(attention_mask.shape)}; only unpadded causal attention is "
                          "supported (pass a 2D all-ones attention_mask or none)")
@@ -86,6 +152,11 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                          "bidirectional or sliding-window layers")
     knobs = pisa_knobs(module.config)
     cache = kwargs.get("pisa_cache")
+    if packed is not None:
+        if cache is not None:
+            raise ValueError("attn_implementation='pisa' does not support padded or packed "
+                             "batches with PisaHFCache; use the default DynamicCache")
+        return _varlen_forward(query, key, value, packed, scaling, knobs), None
     if cache is None:
         out = pisa_attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                         scale=scaling, **knobs)
@@ -99,28 +170,83 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     return pisa_attn_with_kvcache(query.transpose(1, 2), cache, scale=scaling, **knobs), None
 
 
+def _packed_ids(mask_function) -> torch.Tensor | None:
+    """The ``[B, T]`` sequence ids of transformers' packed-sequence mask (5.24:
+    ``and_masks(remap_positions_for_packed_sequence(causal_mask_function, ...),
+    packed_sequence_mask_function(ids))``, recognised by its closures), else None."""
+    def cells(fn):
+        return {name: cell.cell_contents for name, cell in
+                zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = cells(mask_function).get("mask_functions", ())
+    if len(parts) != 2 or not all(callable(p) for p in parts):
+        return None
+    remap, inner = parts
+    if not remap.__qualname__.startswith("remap_positions_for_packed_sequence.") \
+            or causal_mask_function not in cells(remap).values() \
+            or not inner.__qualname__.startswith("packed_sequence_mask_function."):
+        return None
+    return cells(inner).get("packed_sequence_mask")
+
+
+def _cu_seqlens(lens: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _packed_batch(ids: torch.Tensor) -> PackedBatch:
+    """The sequences of packed rows ``ids [B, T]`` (equal ids: one sequence; a row's first token
+    starts one), flattened: every token is real."""
+    B, T = ids.shape
+    start = torch.ones_like(ids, dtype=torch.bool)
+    start[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first = start.flatten().nonzero().flatten()
+    lens = torch.diff(first, append=first.new_tensor([B * T]))
+    cu = _cu_seqlens(lens)
+    longest = int(lens.max())  # the one host sync of the forward
+    return PackedBatch(cu, cu, longest, longest)
+
+
+def _padded_batch(mask_k: torch.Tensor, q_length: int) -> PackedBatch:
+    """The real tokens of a padded batch (``mask_k [B, Tk]`` bool, the queries its last
+    ``q_length`` columns): per row one sequence, its real queries the tail of its real keys."""
+    mask_q = mask_k[:, -q_length:]
+    lens_q, lens_k = mask_q.sum(1), mask_k.sum(1)
+    longest = torch.stack([lens_q.max(), lens_k.max()]).tolist()  # the one host sync
+    return PackedBatch(_cu_seqlens(lens_q), _cu_seqlens(lens_k), *longest,
+                       mask_q.flatten().nonzero().flatten(), mask_k.flatten().nonzero().flatten())
+
+
 def pisa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
               kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None,
-              **kwargs) -> None:
+              **kwargs) -> PackedBatch | None:
     """transformers mask function (the ``AttentionMaskInterface`` signature): build no mask.
 
-    PISA applies the causal (bottom-right) mask itself, so no ``[Tq, Tk]`` mask is made. Raises
-    ``ValueError`` for anything it cannot honour: padding (zeros in the 2D ``attention_mask``), a
-    cache whose slots are not exactly the seen tokens (a static cache), packed sequences or
-    or/and-combined masks.
+    PISA applies the causal (bottom-right) mask itself, so no ``[Tq, Tk]`` mask is made: None for
+    a plain causal batch; a ``PackedBatch`` (its sequences, one host sync) for a padded one
+    (zeros in the 2D ``attention_mask``) or a packed one (transformers' packed-sequence mask,
+    from ``position_ids`` restarting inside a row). Raises ``ValueError`` for anything it cannot
+    honour: a cache whose slots are not exactly the seen tokens (a static cache), padding and
+    packing at once, or other combined or custom mask functions.
     """
+    packed = None
     if mask_function is not None and mask_function is not causal_mask_function:
-        raise ValueError("attn_implementation='pisa' supports plain causal masks only (no packed "
-                         "sequences, no combined or custom mask functions)")
+        packed = _packed_ids(mask_function)
+        if packed is None:
+            raise ValueError("attn_implementation='pisa' supports plain causal masks and packed "
+                             "sequences only (no other combined or custom mask functions)")
     if kv_offset != 0 or bool(kv_length != q_offset + q_length):
         raise ValueError(f"attn_implementation='pisa' needs the keys to be exactly the seen "
                          f"tokens ({q_offset} cached + {q_length} new), but the cache gives "
                          f"{kv_length} slots from offset {kv_offset} (a static or sliding cache?); "
                          "use the default DynamicCache or pisa.integrations.hf.PisaHFCache")
-    if attention_mask is not None and not bool(attention_mask[:, -kv_length:].all()):
-        raise ValueError("attn_implementation='pisa' does not support padded batches "
-                         "(attention_mask has zeros); run sequences of different lengths one "
-                         "at a time or pad-free")
+    padded = attention_mask is not None and not bool(attention_mask[:, -kv_length:].all())
+    if padded and packed is not None:
+        raise ValueError("attn_implementation='pisa' does not support padded and packed "
+                         "sequences in one batch")
+    if padded:
+        return _padded_batch(attention_mask[:, -kv_length:].bool(), q_length)
+    return None if packed is None else _packed_batch(packed)
 
 
 def register() -> None:

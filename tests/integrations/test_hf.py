@@ -118,17 +118,20 @@ def test_pisa_cache_refuses_overflow_and_mismatched_block_size(rng):
         sparse(ids, cache=cache, use_cache=True)
 
 
-def test_padding_packing_static_caches_and_explicit_masks_are_refused(rng):
+def test_static_caches_explicit_masks_and_padding_with_pisa_cache_are_refused(rng):
     _, sparse = _pair()
     ids = torch.randint(0, 128, (2, 40))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    with pytest.raises(ValueError, match="padded"):
-        sparse(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="PisaHFCache"):
+        sparse(ids, attention_mask=mask, cache=pisa_hf.PisaHFCache(sparse.config, 64),
+               use_cache=True)
     with pytest.raises(ValueError, match="explicit attention mask"):
         sparse(ids, attention_mask=torch.ones(2, 1, 40, 40, dtype=torch.bool))
-    with pytest.raises(ValueError, match="packed"):
-        sparse(ids, position_ids=torch.arange(40).remainder(20)[None], use_cache=False)
+    with torch.no_grad():  # two packed rows of two documents each
+        packed = sparse(ids, position_ids=torch.arange(40).remainder(20)[None], use_cache=False)
+        torch.testing.assert_close(packed.logits[1, 20:], sparse(ids[1:, 20:]).logits[0],
+                                   rtol=1e-4, atol=1e-5)
     from transformers import StaticCache
     with pytest.raises(ValueError, match="static"):
         sparse(ids, cache=StaticCache(config=sparse.config, max_cache_len=64), use_cache=True)
@@ -141,3 +144,69 @@ def test_register_checks_and_is_idempotent():
     pisa_hf.register()
     from transformers import AttentionInterface
     assert AttentionInterface._global_mapping["pisa"] is pisa_hf.pisa_attention_forward
+
+
+# Packed and padded batches: pisa_attn_varlen, each document attended alone.
+DOCS = (3 * FITS, 5, C + 1, 2 * FITS - 3)  # lengths past, below and around K blocks
+
+
+def _docs():
+    return [torch.randint(2, 128, (n,)) for n in DOCS]
+
+
+def _one_at_a_time(model, docs):
+    with torch.no_grad():
+        return [model(d[None]).logits[0] for d in docs]
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_packed_batch_equals_documents_one_at_a_time(rng, flash_kwargs, use_cache):
+    """``DataCollatorWithFlattening``: one row of the concatenated documents whose
+    ``position_ids`` restart at each (and, with ``return_flash_attn_kwargs``, the
+    ``cu_seq_lens`` / ``max_length`` keyword arguments). Without a cache transformers' mask
+    tells the documents, with one only the positions do."""
+    from transformers import DataCollatorWithFlattening
+    _, sparse = _pair()
+    docs = _docs()
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    batch = collate([{"input_ids": d.tolist()} for d in docs])
+    batch.pop("labels")
+    with torch.no_grad():
+        got = sparse(**batch, use_cache=use_cache).logits[0]
+    ref = torch.cat(_one_at_a_time(sparse, docs))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_documents_one_at_a_time(rng, side):
+    _, sparse = _pair()
+    docs = _docs()
+    T = max(DOCS)
+    ids = torch.zeros(len(docs), T, dtype=torch.long)
+    mask = torch.zeros(len(docs), T, dtype=torch.long)
+    for i, d in enumerate(docs):
+        sl = slice(T - len(d), T) if side == "left" else slice(0, len(d))
+        ids[i, sl], mask[i, sl] = d, 1
+    position_ids = (mask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        got = sparse(ids, attention_mask=mask, position_ids=position_ids).logits
+    for i, ref in enumerate(_one_at_a_time(sparse, docs)):
+        torch.testing.assert_close(got[i][mask[i].bool()], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_left_padded_generate_equals_documents_one_at_a_time(rng):
+    """Greedy decoding of a left-padded batch (the prompt and every step are padded varlen
+    calls) gives each prompt's own continuation."""
+    _, sparse = _pair()
+    docs = [torch.randint(2, 128, (n,)) for n in (FITS + 5, 9)]
+    T = max(len(d) for d in docs)
+    ids = torch.zeros(len(docs), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, d in enumerate(docs):
+        ids[i, T - len(d):], mask[i, T - len(d):] = d, 1
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = sparse.generate(ids, attention_mask=mask, **kw)[:, T:]
+        for i, d in enumerate(docs):
+            assert torch.equal(got[i], sparse.generate(d[None], **kw)[0, len(d):])

@@ -179,7 +179,7 @@ def _level_scores(b_q, b_qb, m_row, b_rest, n_rest, cur, shift, p_child, p_lo, s
     ``m_row``); the children's rows start at ``p_child`` (and ``p_lo``, the mins, for
     ``BOUND``)."""
     sc = shift - LOG_G  # the children's shift
-    o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), G_BR, G_BR, WP)
+    o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), 0, G_BR, G_BR, WP)
     m_x = m_x & (o_x >= 1) & (o_x < _free_end(cur, shift))  # free nodes only
     b_sm = _child_lse(b_q, b_qb, o_x, m_x, p_child, p_lo, s_sn, _exp2i(-(sc + LOG_C)), scale,
                       G_BR, D, F32_PREC, STAGES, BOUND)
@@ -196,12 +196,12 @@ def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, s_kt, scale, C: tl.constexp
     loaded ahead of the one being scored. Returns the best ``KS`` packed keys, best first."""
     NX: tl.constexpr = 2 * G_BR * WP
     o_w = tl.arange(0, WP)
-    o_x, m_x = candidates(b_rest, n_rest, cur, cur, G_BR, G_BR, G_BR, WP)
+    o_x, m_x = candidates(b_rest, n_rest, cur, cur, G_BR, 0, G_BR, G_BR, WP)
     m_free = m_x & (o_x >= 1) & (o_x <= cur - 2)
     o_c = tl.arange(0, G_BR)
     b_s = tl.zeros([NX], dtype=tl.float32)
     for j in tl.range(0, n_rest + 3, num_stages=STAGES):
-        par_f, new_f = forced_parents(j - n_rest, cur, cur, G_BR)
+        par_f, new_f = forced_parents(j - n_rest, cur, cur, G_BR, 0)
         kept = j < n_rest
         par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
         o_leaf = par * G_BR + o_c
@@ -299,7 +299,7 @@ def _decode_kernel(
     # head by the LSE over their children's means (or bounds), summed over heads.
     for _ in range(n_skip, n_hi):
         sc = shift - LOG_G  # the children's shift
-        o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), G_BR, G_BR, WP)
+        o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), 0, G_BR, G_BR, WP)
         m_x = m_x & (o_x >= 1) & (o_x < _free_end(cur, shift))  # free nodes only
         b_sm = _child_lse(b_qa, b_qb, o_x, m_x, p_sh + lo_c.to(tl.int64) * s_sn,
                           p_lh + lo_c.to(tl.int64) * s_sn, s_sn, _exp2i(-(sc + LOG_C)), scale,
@@ -333,7 +333,8 @@ def _decode_kernel(
                           WP, KS, F32_PREC, LEAF_STAGES)
 
     # The selected blocks, ascending; at most SLOTS entries are used.
-    b_row, _ = selection_row(tl.full([1], 0, tl.int32) + cur, b_top[None, :], TOPK, IN_BUDGET, SP)
+    b_row, _ = selection_row(tl.full([1], 0, tl.int32) + cur, b_top[None, :],
+                             tl.zeros([1], tl.int32), TOPK, IN_BUDGET, SP)
     b_sel = tl.reshape(b_row, [SP])
     o_s = tl.arange(0, SP)
     if WRITE_IDX:

@@ -7,6 +7,10 @@ scans, and walks whose beam covers every block). A caller that already holds the
 
 With ``query_tile = Qt > 1`` a selection has a row per query tile (``n_query_tiles``) instead of
 per token; ``tiles_to_tokens`` expands it to per-token rows.
+
+Packed sequences (``pisa.ops.varlen``) run on one layout row (``B = 1``) with ``blk0``, the first
+block of each block's sequence (``-1``: a block without queries): every selector then keeps to
+the row's own sequence, whose first block is its sink.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from ..utils.csr import token_tile_rows
 from ..utils.geometry import cdiv, level_offsets
 
 
-def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | None):
+def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | None,
+                   blk0: Tensor | None):
     from .flat import select_flat_triton
     from .triton import beam_geometry, check_pyramid, select_pyramid_triton
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -42,8 +47,8 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
         pyramid = build_pyramid(k, cfg.block_size, cfg.branching, "triton",
                                 bounds=walk and cfg.uses_bounds)
     if walk:
-        return select_pyramid_triton(q, k, cfg, pyramid)
-    return select_flat_triton(q, k, cfg, pyramid, cfg.leaf_scorer)
+        return select_pyramid_triton(q, k, cfg, pyramid, blk0)
+    return select_flat_triton(q, k, cfg, pyramid, cfg.leaf_scorer, blk0)
 
 
 @torch.library.custom_op("pisa::select", mutates_args=())
@@ -51,7 +56,8 @@ def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[T
                mins: Optional[Tensor], maxs: Optional[Tensor],
                block_size: int, topk: int, branching: int, beam: int, scorer: str,
                selector: str, forced_in_budget: bool, scale: float, query_tile: int,
-               beam_leaf: Optional[int], tile_reduce: str, backend: str) -> tuple[Tensor, Tensor]:
+               beam_leaf: Optional[int], tile_reduce: str, backend: str,
+               blk0: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     cfg = SelectConfig(block_size, topk, branching, beam, scorer, selector, forced_in_budget,
                        scale, query_tile, beam_leaf, tile_reduce)
     pyramid = None if means is None else Pyramid(
@@ -60,18 +66,20 @@ def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[T
         pyramid = None  # a caller's pyramid without bounds (a decode cache's): the backend
         # builds one with them from the keys
     if backend == "triton":
-        return _select_triton(q, k, cfg, pyramid)
+        return _select_triton(q, k, cfg, pyramid, blk0)
     if backend == "naive":  # builds its own fp64 pyramid from the keys
+        if blk0 is not None:
+            raise ValueError("backend='naive' has no packed-sequence selection: use 'torch'")
         from .naive import naive_select
         idx, cnt = naive_select(q.cpu(), k.cpu(), cfg)
         return idx.to(q.device), cnt.to(q.device)
     from .torch_backend import select_torch
-    return select_torch(q, k, cfg, pyramid)
+    return select_torch(q, k, cfg, pyramid, blk0)
 
 
 @_select_op.register_fake
 def _(q, k, means, counts, mins, maxs, block_size, topk, branching, beam, scorer, selector,
-      forced_in_budget, scale, query_tile, beam_leaf, tile_reduce, backend):
+      forced_in_budget, scale, query_tile, beam_leaf, tile_reduce, backend, blk0=None):
     cfg = SelectConfig(block_size, topk, branching, beam, scorer, selector, forced_in_budget,
                        scale, query_tile, beam_leaf, tile_reduce)
     B, HKV = q.shape[0], k.shape[2]
@@ -81,18 +89,20 @@ def _(q, k, means, counts, mins, maxs, block_size, topk, branching, beam, scorer
 
 
 def select(q: Tensor, k: Tensor, cfg: SelectConfig, backend: str,
-           pyramid: Pyramid | None = None) -> tuple[Tensor, Tensor]:
+           pyramid: Pyramid | None = None, blk0: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Selection through the custom op ``torch.ops.pisa.select`` (opaque to torch.compile).
 
     ``q [B, Tq, HQ, D]``, ``k [B, Tk, HKV, D]`` (checked), ``cfg`` resolved, ``backend`` one of
     ``"torch"``, ``"triton"``, ``"naive"``; ``pyramid``: the pyramid of ``k`` if the caller holds
-    it. Returns ``block_idx [B, n_tiles, HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and
+    it; ``blk0 [cdiv(Tk, C)]`` int32 for a packed layout (``B = 1``): the first block of each
+    block's sequence, ``-1`` for a block without queries (its rows come back empty). Returns
+    ``block_idx [B, n_tiles, HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and
     ``counts [B, n_tiles, HKV] int32``, a row per query tile: ``n_tiles =
     n_query_tiles(Tq, Tk, cfg.query_tile)``, ``Tq`` rows (one per token) for ``query_tile=1``.
     No gradient."""
     tensors = (None,) * 4 if pyramid is None else (pyramid.means, pyramid.counts, pyramid.mins,
                                                    pyramid.maxs)
-    return _select_op(q, k, *tensors, *cfg.astuple(), backend)
+    return _select_op(q, k, *tensors, *cfg.astuple(), backend, blk0)
 
 
 def tiles_to_tokens(block_idx: Tensor, counts: Tensor, n_queries: int, n_keys: int,

@@ -19,8 +19,8 @@ from ..utils.config import SelectConfig, n_query_tiles
 from ..utils.geometry import cdiv, pow2
 from ..utils.op import (F32_PRECISION, KEY_NONE, dot_nt_f32, empty, key_scores, pack,
                         selection_row, store_selection, token_sums)
-from .triton import (REDUCE_ID, SCORER_ID, key_logits, mean_rows, rows_at, split_rows,
-                     tile_token_scores)
+from .triton import (REDUCE_ID, SCORER_ID, key_logits, mean_rows, rows_at, sequence_start,
+                     split_rows, tile_token_scores)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -34,7 +34,7 @@ from .triton import (REDUCE_ID, SCORER_ID, key_logits, mean_rows, rows_at, split
 # specialised
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "s_ib", "s_cb"])
 def _flat_select_kernel(
-        p_q, p_k, p_means, p_idx, p_cnt, Tq, Tk, n_tiles, tile0, scale,
+        p_q, p_k, p_means, p_idx, p_cnt, p_blk0, Tq, Tk, n_tiles, tile0, scale,
         s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_mb: tl.int64, s_mn, s_mh,
         s_ib: tl.int64, s_it, s_ih, s_cb: tl.int64, s_ct,
         G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, QT: tl.constexpr,
@@ -42,8 +42,10 @@ def _flat_select_kernel(
         NB: tl.constexpr, LB: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
         SP: tl.constexpr, IN_BUDGET: tl.constexpr, FROM_KEYS: tl.constexpr,
         SCORER: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr, QLO: tl.constexpr,
-        F32_PREC: tl.constexpr):
-    """Flat top-K over every free block ``[1, cur - 2]`` of the ``BT`` tiles (selection rows) of
+        VARLEN: tl.constexpr, F32_PREC: tl.constexpr):
+    """Flat top-K over every free block ``[s0 + 1, cur - 2]`` (``s0`` the sink: 0, or with
+    ``VARLEN`` its sequence's first block in a packed layout, ``sequence_start``) of the ``BT``
+    tiles (selection rows) of
     program ``i_t``: absolute tiles ``tile0 + i_t * BT ..`` of ``QT`` positions (``QT = 1``: query
     tokens). A tile's rows: ``QR = QT`` tokens of ``GP`` heads (positions that are no query are
     zero rows), or with ``MEAN`` (``QR = 1``) its per-head mean queries (16-bit head and residual
@@ -78,7 +80,9 @@ def _flat_select_kernel(
     o_bt = tl.arange(0, BT)
     m_tok = t0 + o_bt < n_tiles
     cur = ((tile0 + t0 + o_bt) * QT) // C
+    s0, m_q = sequence_start(p_blk0, cur, m_tok, VARLEN)
     c1 = ((tile0 + tl.minimum(t0 + BT, n_tiles) - 1) * QT) // C
+    b_first = tl.min(tl.where(m_q, s0, c1), axis=0) + 1  # the first free block of any tile
     p_kh = p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh
     p_mh = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh
 
@@ -87,7 +91,7 @@ def _flat_select_kernel(
     o_c = tl.arange(0, C)
     o_j = tl.arange(0, NB // LB)
     b_top = tl.full([BT, KP], KEY_NONE, dtype=tl.int64)
-    for b0 in range(1, c1 - 1, NB):
+    for b0 in range(b_first, c1 - 1, NB):
         o_blk = b0 + o_nb
         if FROM_KEYS:
             b_s = tl.zeros([BQ, NB], dtype=tl.float32)
@@ -113,13 +117,16 @@ def _flat_select_kernel(
             b_s = token_sums(b_z * scale, m_row, BQ, GP)
         if QR > 1:
             b_s = tile_token_scores(b_s, m_row, BT, QR, GP, REDUCE)  # [BT, NB]
-        m_free = (o_blk[None, :] <= cur[:, None] - 2) & m_tok[:, None]
+        m_free = (o_blk[None, :] <= cur[:, None] - 2) & (o_blk[None, :] > s0[:, None]) \
+            & m_tok[:, None]
         b_key = tl.where(m_free, pack(b_s, o_blk[None, :]), KEY_NONE)
         if tl.sum((tl.max(b_key, axis=1) > tl.min(b_top, axis=1)).to(tl.int32)) > 0:
             b_new = tl.topk(b_key, KP)
             b_top = tl.topk(tl.reshape(tl.join(b_top, b_new), [BT, 2 * KP]), KP)
 
-    b_row, count = selection_row(cur, b_top, TOPK, IN_BUDGET, SP)
+    b_row, count = selection_row(cur, b_top, s0, TOPK, IN_BUDGET, SP)
+    b_row = tl.where(m_q[:, None], b_row, -1)
+    count = tl.where(m_q, count, 0)
     store_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, b_row, count, s_ib, s_it, s_ih, s_cb, s_ct,
                     SLOTS)
 
@@ -129,13 +136,15 @@ def _flat_select_kernel(
 # ------------------------------------------------------------------------------------------------
 
 def select_flat_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
-                       pyramid: Pyramid | None, scorer: str) -> tuple[torch.Tensor, torch.Tensor]:
+                       pyramid: Pyramid | None, scorer: str,
+                       blk0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat top-K selection per query tile (``cfg.query_tile`` tokens, one by default):
     ``flat_mean`` (``cfg.selector``) scores each block by its leaf mean in ``pyramid``; otherwise
     blocks are scored from their keys by ``scorer`` (``"lse"``: flat_lse; a pyramid whose beams
     cover every block also lands here with its leaf scorer). Returns ``block_idx [B, n_tiles,
     HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and ``counts [B, n_tiles, HKV] int32``
-    (``n_tiles = n_query_tiles(Tq, Tk, cfg.query_tile)``, ``Tq`` for per-token selection)."""
+    (``n_tiles = n_query_tiles(Tq, Tk, cfg.query_tile)``, ``Tq`` for per-token selection).
+    ``blk0``: a packed layout's sinks per block (``select_pyramid_triton``)."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
     G, C, Qt = HQ // HKV, cfg.block_size, cfg.query_tile
@@ -158,7 +167,8 @@ def select_flat_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
         return block_idx, counts
     grid = (cdiv(n_tiles, BT), HKV, B)
     _flat_select_kernel[grid](
-        q, k, means, block_idx, counts, Tq, Tk, n_tiles, (Tk - Tq) // Qt, cfg.scale,
+        q, k, means, block_idx, counts, counts if blk0 is None else blk0, Tq, Tk, n_tiles,
+        (Tk - Tq) // Qt, cfg.scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         means.stride(0), means.stride(1), means.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
@@ -167,6 +177,7 @@ def select_flat_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
         TOPK=cfg.topk, SLOTS=cfg.slots, SP=pow2(cfg.slots), IN_BUDGET=cfg.forced_in_budget,
         FROM_KEYS=cfg.selector != "flat_mean", SCORER=SCORER_ID[scorer],
         REDUCE=REDUCE_ID[cfg.tile_reduce] if QR > 1 else 0, MEAN=mean,
-        QLO=mean and q.dtype != torch.float32, F32_PREC=F32_PRECISION, num_warps=8,
+        QLO=mean and q.dtype != torch.float32, VARLEN=blk0 is not None,
+        F32_PREC=F32_PRECISION, num_warps=8,
         num_stages=3)
     return block_idx, counts

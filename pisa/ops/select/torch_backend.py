@@ -170,7 +170,7 @@ def bound_logits(rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torc
             + torch.einsum("bthmd,bthard->bthamr", rows.clamp_max(0), lo))
 
 
-def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig, tok_ok=None):
+def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig, tok_ok=None, sink=None):
     """Beam search from the root to level 2; returns candidate leaves ``[B, Tc, H, M]`` (valid ones
     ascending: each level's nodes are the children of the kept nodes, sorted).
 
@@ -179,7 +179,8 @@ def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig, tok_ok=None):
     row's block (the token's, or the tile's last query), ``forced`` its forced leaves
     (``forced_leaves_tensor``), ``tok_ok [Tc, Qt]`` which tile tokens are queries (``None``: all).
     Nodes are ranked by the tile score (``reduce_tokens``) of their group scores; ``scorer="bound"``
-    needs ``pyr`` built with bounds."""
+    needs ``pyr`` built with bounds. ``sink [Tc]`` (a packed layout): the first leaf of each row's
+    sequence; nodes that end before it are never candidates (default: 0)."""
     qs = _as_tiles(qs)
     B, Tc, H, Qt, G, D = qs.shape
     g, C = cfg.branching, cfg.block_size
@@ -199,6 +200,8 @@ def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig, tok_ok=None):
         child_means, child_counts = pyr.level(lvl - 1)
         n_child = child_counts.shape[0]
         valid = (active >= 0) & (active * span * C <= t_abs[..., None, None])
+        if sink is not None:
+            valid &= (active + 1) * span > sink[:, None, None]
         forced_here = torch.where(forced >= 0, forced // span, -1)
         is_forced = is_in(active, forced_here) & valid
         rest = valid & ~is_forced
@@ -233,16 +236,18 @@ def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig, tok_ok=None):
 
 
 def select_torch(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
-                 pyramid: Pyramid | None = None):
+                 pyramid: Pyramid | None = None, blk0: torch.Tensor | None = None):
     """Vectorised selection per query tile; returns ``(block_idx [B, n_tiles, HKV, slots] int32,
     counts [B, n_tiles, HKV])``, ``n_tiles = n_query_tiles(Tq, Tk, cfg.query_tile)`` (``Tq`` for
     per-token selection). ``pyramid``: that of ``k``, built here when not given (or when
-    ``scorer="bound"`` needs bounds it lacks).
+    ``scorer="bound"`` needs bounds it lacks). ``blk0 [cdiv(Tk, C)]`` int32, a packed layout's
+    (``B = 1``, ``pisa.ops.varlen``): the first block of each block's sequence, the sink of its
+    rows, ``-1`` for a block without queries (its rows come back empty).
 
     Runs under ``torch.no_grad``: selection is not differentiable.
     """
     with torch.no_grad():
-        return _select(q, k, cfg, pyramid)
+        return _select(q, k, cfg, pyramid, blk0)
 
 
 def _tile_queries(q: torch.Tensor, n_keys: int, H: int, cfg: SelectConfig, first: int,
@@ -268,7 +273,7 @@ def _tile_queries(q: torch.Tensor, n_keys: int, H: int, cfg: SelectConfig, first
     return qs, tok_ok, t_ref
 
 
-def _select(q, k, cfg, pyramid):
+def _select(q, k, cfg, pyramid, blk0):
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
     G, C, Qt, g = HQ // H, cfg.block_size, cfg.query_tile, cfg.branching
@@ -296,10 +301,17 @@ def _select(q, k, cfg, pyramid):
     for s in range(0, n_tiles, chunk):
         e = min(n_tiles, s + chunk)
         qs, tok_ok, t_ref = _tile_queries(q, Tk, H, cfg, first + s, first + e)
-        forced = forced_leaves_tensor(t_ref, C)
+        sink = has_q = None
+        if blk0 is not None:  # a block without queries reads as its sequence's first
+            sink = blk0[t_ref // C].long()
+            has_q = sink >= 0
+            sink = torch.where(has_q, sink, t_ref // C)
+        forced = forced_leaves_tensor(t_ref, C, sink)
+        after = 0 if sink is None else sink[None, :, None, None]  # free blocks: after the sink
         if cfg.selector == "pyramid":
-            cand = walk(qs, pyramid, t_ref, forced, cfg, tok_ok)
-            free = (cand >= 0) & (cand * C <= t_ref[None, :, None, None]) & ~is_in(cand, forced)
+            cand = walk(qs, pyramid, t_ref, forced, cfg, tok_ok, sink)
+            free = (cand > after) & (cand * C <= t_ref[None, :, None, None]) \
+                & ~is_in(cand, forced)
             cand = torch.where(free, cand, -1)
             if cfg.leaf_scorer == "mean":
                 score = flat_mean_scores(qs, leaf_means, cand, tok_ok, cfg.tile_reduce)
@@ -309,7 +321,8 @@ def _select(q, k, cfg, pyramid):
         else:
             n_end = int(t_ref[-1]) // C + 1
             cand = torch.arange(n_end, device=dev).expand(B, e - s, H, n_end)
-            free = (cand * C <= t_ref[None, :, None, None]) & ~is_in(cand, forced)
+            free = (cand > after) & (cand * C <= t_ref[None, :, None, None]) \
+                & ~is_in(cand, forced)
             if cfg.selector == "flat_lse":
                 score = _flat_lse_scores(qs, k, n_end * C, C)
             else:
@@ -317,7 +330,11 @@ def _select(q, k, cfg, pyramid):
             score = reduce_tokens(score, _tile_ok(tok_ok), cfg.tile_reduce)
             score = torch.where(free, score, -math.inf)
             cand = torch.where(free, cand, -1)
-        idx_out[:, s:e], cnt_out[:, s:e] = finish_selection(cand, score, forced, cfg)
+        idx, cnt = finish_selection(cand, score, forced, cfg)
+        if has_q is not None:
+            idx = torch.where(has_q[None, :, None, None], idx, -1)
+            cnt = torch.where(has_q[None, :, None], cnt, 0)
+        idx_out[:, s:e], cnt_out[:, s:e] = idx, cnt
     return idx_out, cnt_out
 
 

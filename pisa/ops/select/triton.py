@@ -261,30 +261,33 @@ def leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
 
 
 @triton.jit
-def forced_parents(o_p, c0, c1, span):
-    """Forced nodes ``[0, a(c0 - 1), a(c0), a(c1)]`` (``a(x) = x // span``) at slot ``o_p``, and
+def forced_parents(o_p, c0, c1, span, s0):
+    """Forced nodes ``[a(s0), a(max(c0 - 1, s0)), a(c0), a(c1)]`` (``a(x) = x // span``; ``s0``
+    the sink, the first block of the sequence: 0, or a packed sequence's) at slot ``o_p``, and
     whether the slot holds a node not already listed (the list is non-decreasing)."""
-    a_prev = tl.maximum(c0 - 1, 0) // span
+    a_sink = s0 // span
+    a_prev = tl.maximum(c0 - 1, s0) // span
     a_cur = c0 // span
     a_last = c1 // span
-    par = tl.where(o_p == 0, 0, tl.where(o_p == 1, a_prev, tl.where(o_p == 2, a_cur, a_last)))
-    before = tl.where(o_p == 1, 0, tl.where(o_p == 2, a_prev, a_cur))
+    par = tl.where(o_p == 0, a_sink, tl.where(o_p == 1, a_prev, tl.where(o_p == 2, a_cur, a_last)))
+    before = tl.where(o_p == 1, a_sink, tl.where(o_p == 2, a_prev, a_cur))
     return par, (o_p == 0) | (par != before)
 
 
 @triton.jit
-def candidates(b_rest, n_rest, c0, c1, span_up, G_BR: tl.constexpr, GBP: tl.constexpr,
+def candidates(b_rest, n_rest, c0, c1, span_up, s0, G_BR: tl.constexpr, GBP: tl.constexpr,
                WP: tl.constexpr):
     """Candidate nodes ``[2 * GBP * WP]`` of a level and which slots hold one: the children of the
     kept nodes ``b_rest`` of the level above (``span_up`` leaves per node) interleaved with the
-    children of that level's forced nodes (``forced_parents``, ``GBP`` slots each)."""
+    children of that level's forced nodes (``forced_parents`` of the sink ``s0``, ``GBP`` slots
+    each)."""
     NA: tl.constexpr = GBP * WP
     o_w = tl.arange(0, WP)
     o_c = tl.arange(0, GBP)
     o_a = tl.reshape(b_rest[None, :] * G_BR + o_c[:, None], [NA])
     m_a = tl.reshape((o_w[None, :] < n_rest) & (o_c[:, None] < G_BR), [NA])
     o_f = tl.arange(0, NA)
-    par, m_par = forced_parents(o_f // GBP, c0, c1, span_up)
+    par, m_par = forced_parents(o_f // GBP, c0, c1, span_up, s0)
     o_b = par * G_BR + o_f % GBP
     m_b = m_par & (o_f < 4 * GBP) & (o_f % GBP < G_BR)
     return tl.reshape(tl.join(o_a, o_b), [2 * NA]), tl.reshape(tl.join(m_a, m_b), [2 * NA])
@@ -488,23 +491,25 @@ def _level_scores(o_x, m_x, lvl, b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi,
 
 
 @triton.jit
-def _walk_level(b_rest, n_rest, lvl, span, beam, c0, c1, t_last, b_q, b_ql, m_row, p_rh, s_rt,
-                s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p_off, scale, WOUT: tl.constexpr,
+def _walk_level(b_rest, n_rest, lvl, span, beam, c0, c1, t_last, s0, b_q, b_ql, m_row, p_rh,
+                s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p_off, scale, WOUT: tl.constexpr,
                 C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, WP: tl.constexpr,
                 SCORER: tl.constexpr, BOUND: tl.constexpr, BO: tl.constexpr,
                 REDUCE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr,
                 NCH: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
                 LO_R: tl.constexpr, F32_PREC: tl.constexpr):
     """One level ``lvl`` (``span`` leaves a node) of the walk: its candidates (``candidates`` of the
-    ``n_rest`` kept nodes ``b_rest [WP]`` above), free ones only (causal, not forced), and the
+    ``n_rest`` kept nodes ``b_rest [WP]`` above), free ones only (causal, inside the sequence
+    that starts at leaf ``s0``, not forced), and the
     ``beam`` best of them, best first, in ``[WOUT]`` (``WOUT >= min(beam, candidates)``); all of
     them, unscored and in index order, when they are at most ``beam``. Returns them and their
     count."""
     NX: tl.constexpr = 2 * GBP * WP
-    o_x, m_x = candidates(b_rest, n_rest, c0, c1, span * G_BR, G_BR, GBP, WP)
-    # Drop forced and future nodes (only children of forced nodes can be either).
-    m_x = m_x & (o_x * span * C <= t_last) & (o_x != 0) \
-        & (o_x != tl.maximum(c0 - 1, 0) // span) & (o_x != c0 // span) & (o_x != c1 // span)
+    o_x, m_x = candidates(b_rest, n_rest, c0, c1, span * G_BR, s0, G_BR, GBP, WP)
+    # Drop forced and future nodes, and those before the sequence (only children of forced nodes
+    # can be any of them).
+    m_x = m_x & (o_x * span * C <= t_last) & ((o_x + 1) * span > s0) & (o_x != s0 // span) \
+        & (o_x != tl.maximum(c0 - 1, s0) // span) & (o_x != c0 // span) & (o_x != c1 // span)
     n_cand = tl.sum(m_x.to(tl.int32))
     # Unscored candidates rank by node index, which keeps all of them (n_cand <= beam).
     b_s = tl.zeros([NX], dtype=tl.float32)
@@ -519,14 +524,16 @@ def _walk_level(b_rest, n_rest, lvl, span, beam, c0, c1, t_last, b_q, b_ql, m_ro
 
 @triton.jit
 def walk(b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p_off, n_levels,
-         top_span, c0, c1, t_last, scale, C: tl.constexpr, G_BR: tl.constexpr,
+         top_span, c0, c1, t_last, s0, scale, C: tl.constexpr, G_BR: tl.constexpr,
          GBP: tl.constexpr, W: tl.constexpr, W2: tl.constexpr, WP: tl.constexpr,
          WPL: tl.constexpr, SCORER: tl.constexpr, BOUND: tl.constexpr, BO: tl.constexpr,
          REDUCE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr,
          NCH: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
          LO_R: tl.constexpr, F32_PREC: tl.constexpr):
     """The internal levels of the walk, from the root's children down to level 2, for a tile whose
-    tokens lie in leaves ``c0..c1`` (``t_last`` its last position). Its query rows: ``b_q``
+    tokens lie in leaves ``c0..c1`` (``t_last`` its last position) of the sequence whose first
+    leaf is ``s0`` (0; in a packed layout its sequence's: nodes before it are never candidates,
+    its ancestors are forced as the sink's). Its query rows: ``b_q``
     (residuals ``b_ql``, real rows ``m_row``) when they are one chunk (``NCH == 1``), else the
     ``NCH`` chunks of ``TB`` tokens of ``tile_rows(p_rh, .., r_lo + c * TB, r_hi)`` loaded at each
     scored level. Summaries at ``p_mh`` (``_child_z``). Returns ``b_rest [WPL]``, the kept
@@ -540,31 +547,34 @@ def walk(b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p
     The top levels where that holds are not visited. Down to the first level with more
     than its beam of candidates, every level's candidates are all its non-forced causal nodes:
     with ``a(x) = x // span`` (``span >= 2`` leaves a node), the forced nodes ``a(c0 - 1) ..
-    a(c1)`` are the last causal ones and node 0, so the candidates are nodes
-    ``1 .. a(c0 - 1) - 1``, in index order (the order an unscored level's top-W leaves them in)."""
+    a(c1)`` are the last causal ones and ``a(s0)`` the first, so the candidates are nodes
+    ``a(s0) + 1 .. a(c0 - 1) - 1``, in index order (the order an unscored level's top-W leaves
+    them in)."""
     n_rest = tl.full([], 0, dtype=tl.int32)
     span = top_span  # leaves under a node of the level being ranked
     i0 = 0  # the level being looked at is n_levels - 1 - i0
-    n_next = tl.maximum(tl.maximum(c0 - 1, 0) // span - 1, 0)  # candidates of level i0
+    # candidates of level i0
+    n_next = tl.maximum(tl.maximum(c0 - 1, s0) // span - s0 // span - 1, 0)
     while (i0 < n_levels - 2) & (n_next <= tl.where(n_levels - 1 - i0 == 2, W2, W)):
         n_rest = n_next
         i0 += 1
         span = span // G_BR
-        n_next = tl.maximum(tl.maximum(c0 - 1, 0) // span - 1, 0)
-    b_rest = tl.arange(0, WP) + 1
+        n_next = tl.maximum(tl.maximum(c0 - 1, s0) // span - s0 // span - 1, 0)
+    first = s0 // (span * G_BR) + 1  # the first free node of the level above
+    b_rest = tl.arange(0, WP) + first
     for i in range(i0, n_levels - 3):  # the ranked levels above level 2
         b_rest, n_rest = _walk_level(b_rest, n_rest, n_levels - 1 - i, span, W, c0, c1, t_last,
-                                     b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn,
-                                     p_counts, p_off, scale, WP, C, G_BR, GBP, WP, SCORER, BOUND,
-                                     BO, REDUCE, G, GP, TB, NCH, DP, D, LO, LO_R, F32_PREC)
+                                     s0, b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh,
+                                     s_mn, p_counts, p_off, scale, WP, C, G_BR, GBP, WP, SCORER,
+                                     BOUND, BO, REDUCE, G, GP, TB, NCH, DP, D, LO, LO_R, F32_PREC)
         span = span // G_BR
     if i0 < n_levels - 2:  # level 2 is visited
-        b_out, n_out = _walk_level(b_rest, n_rest, 2, span, W2, c0, c1, t_last, b_q, b_ql, m_row,
-                                   p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p_off,
-                                   scale, WPL, C, G_BR, GBP, WP, SCORER, BOUND, BO, REDUCE, G, GP,
-                                   TB, NCH, DP, D, LO, LO_R, F32_PREC)
-    else:  # skipped: all its free nodes, 1 .. n_rest
-        b_out = tl.arange(0, WPL) + 1
+        b_out, n_out = _walk_level(b_rest, n_rest, 2, span, W2, c0, c1, t_last, s0, b_q, b_ql,
+                                   m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts,
+                                   p_off, scale, WPL, C, G_BR, GBP, WP, SCORER, BOUND, BO, REDUCE,
+                                   G, GP, TB, NCH, DP, D, LO, LO_R, F32_PREC)
+    else:  # skipped: all its free nodes, first .. first + n_rest - 1
+        b_out = tl.arange(0, WPL) + first
         n_out = n_rest
     return b_out, n_out
 
@@ -585,13 +595,28 @@ def tile_span(i_t, tile0, Tq, Tk, QT: tl.constexpr, C: tl.constexpr):
     return pos, pos // C, q_lo, q_hi
 
 
+@triton.jit
+def sequence_start(p_blk0, cur, m, VARLEN: tl.constexpr):
+    """The sink (first block of the sequence) of rows in blocks ``cur`` (``m``: the real rows),
+    and which rows hold queries: block 0 and all without ``VARLEN``; in a packed layout
+    (``VARLEN``) ``p_blk0[cur]``, whose ``-1`` (a block without queries) reads as a sequence
+    starting at ``cur`` (no free block: a trivial walk) and no queries."""
+    s0 = cur * 0
+    m_q = m
+    if VARLEN:
+        s0 = tl.load(p_blk0 + cur, mask=m, other=-1)
+        m_q = m & (s0 >= 0)
+        s0 = tl.where(s0 >= 0, s0, cur)
+    return s0, m_q
+
+
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
 # each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
 # 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_levels", "top_span", "n_par",
                                "n_chunk", "chunk"])
 def _pyramid_walk_kernel(
-        p_q, p_rows, p_means, p_counts, p_off, p_key,
+        p_q, p_rows, p_means, p_counts, p_off, p_key, p_blk0,
         Tq, Tk, n_tiles, tile0, n_levels, top_span, scale, n_par, n_chunk, chunk,
         s_qb: tl.int64, s_qt, s_qh, s_rb: tl.int64, s_rt, s_rh, s_mb: tl.int64, s_mn, s_mh,
         QT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr,
@@ -599,7 +624,8 @@ def _pyramid_walk_kernel(
         G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr, W2: tl.constexpr,
         WP: tl.constexpr, WPL: tl.constexpr, S: tl.constexpr, SCORER: tl.constexpr,
         BOUND: tl.constexpr, BO: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr,
-        LO: tl.constexpr, LO_R: tl.constexpr, SLOT_NONE: tl.constexpr, F32_PREC: tl.constexpr):
+        LO: tl.constexpr, LO_R: tl.constexpr, SLOT_NONE: tl.constexpr, VARLEN: tl.constexpr,
+        F32_PREC: tl.constexpr):
     """The internal levels of tile ``i_t``'s walk (``walk``); writes the level-2 parents of its
     leaf candidates into its ``S = WPL + 3`` slots of ``p_key [B, n_tiles, HKV, S]``: the
     ``n_rest`` kept nodes, then the (up to 3) forced level-2 nodes that have a free child. A slot
@@ -608,10 +634,12 @@ def _pyramid_walk_kernel(
 
     The tile's rows: its query tokens' (``p_rows`` is ``p_q``) or, with ``MEAN``, its ``G`` mean
     queries, which this program computes from ``p_q`` and writes to ``p_rows [B, n_tiles, HQ,
-    (2,) D]`` (16-bit head, then the residual ``LO_R`` elements on) for the leaf stage."""
+    (2,) D]`` (16-bit head, then the residual ``LO_R`` elements on) for the leaf stage.
+    ``VARLEN``: a packed layout, ``p_blk0`` the sink of each block (``sequence_start``)."""
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     HKV = tl.num_programs(1)
     pos, cur, q_lo, q_hi = tile_span(i_t, tile0, Tq, Tk, QT, C)
+    s0, _ = sequence_start(p_blk0, cur, cur >= 0, VARLEN)
     p_rh = p_rows + i_b.to(tl.int64) * s_rb + (i_h * G) * s_rh
     if MEAN:
         o_h = tl.arange(0, GP)
@@ -634,7 +662,7 @@ def _pyramid_walk_kernel(
         b_q, b_ql, m_row = tile_rows(p_rh, s_rt, s_rh, r_lo, r_hi, G, GP, TB, D, DP, LO_R)
     p_mh = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh
     b_rest, n_rest = walk(b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts,
-                          p_off, n_levels, top_span, cur, cur, pos, scale, C, G_BR, GBP, W, W2,
+                          p_off, n_levels, top_span, cur, cur, pos, s0, scale, C, G_BR, GBP, W, W2,
                           WP, WPL, SCORER, BOUND, BO, REDUCE, G, GP, TB, NCH, DP, D, LO, LO_R,
                           F32_PREC)
 
@@ -644,8 +672,10 @@ def _pyramid_walk_kernel(
     b_key = tl.where(o_w < n_rest, base + b_rest, SLOT_NONE)
     tl.store(p_row + o_w, b_key.to(p_key.dtype.element_ty))
     o_f = tl.arange(0, 4)
-    par, new = forced_parents(o_f, cur, cur, G_BR)  # slot 3 repeats slot 2 (c1 == c0)
-    b_key = tl.where(new & (par * G_BR <= cur - 2), base + par, SLOT_NONE)
+    par, new = forced_parents(o_f, cur, cur, G_BR, s0)  # slot 3 repeats slot 2 (c1 == c0)
+    # a parent with a free child: its children meet the free blocks [s0 + 1, cur - 2]
+    m_free = (tl.maximum(par * G_BR, s0 + 1) <= tl.minimum(par * G_BR + G_BR - 1, cur - 2))
+    b_key = tl.where(new & m_free, base + par, SLOT_NONE)
     tl.store(p_row + WPL + o_f, b_key.to(p_key.dtype.element_ty), mask=o_f < 3)
 
 
@@ -735,32 +765,35 @@ def _leaf_groups_kernel(
 # the selection outputs' batch strides (n_tiles * HKV * slots) follow the length: not specialised
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_par", "s_ib", "s_cb"])
 def _leaf_topk_kernel(
-        p_key, p_score, p_idx, p_cnt, Tq, Tk, n_tiles, tile0, n_par,
+        p_key, p_score, p_idx, p_cnt, p_blk0, Tq, Tk, n_tiles, tile0, n_par,
         s_ib: tl.int64, s_it, s_ih, s_cb: tl.int64, s_ct,
         BT: tl.constexpr, QT: tl.constexpr, C: tl.constexpr, G_BR: tl.constexpr,
         GBP: tl.constexpr, S: tl.constexpr, SPP: tl.constexpr, KS: tl.constexpr,
         TOPK: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, IN_BUDGET: tl.constexpr,
-        SLOT_NONE: tl.constexpr):
+        SLOT_NONE: tl.constexpr, VARLEN: tl.constexpr):
     """Each of the ``BT`` selection rows (tiles) ``i_t * BT ..`` keeps its best free leaves among
     the children of its ``S`` parent slots (scores from ``_leaf_groups_kernel``) and writes its
-    row."""
+    row (``VARLEN``: rows in blocks without queries are empty: ``-1``, count 0)."""
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     HKV = tl.num_programs(1)
     t0 = i_t * BT
     o_bt = tl.arange(0, BT)
     m_tok = t0 + o_bt < n_tiles
     cur = ((tile0 + t0 + o_bt) * QT) // C
+    s0, m_q = sequence_start(p_blk0, cur, m_tok, VARLEN)
     o_s = tl.arange(0, SPP)
     o_c = tl.arange(0, GBP)
     b_pair = ((i_b * n_tiles + t0 + o_bt) * HKV + i_h).to(tl.int64)[:, None] * S + o_s[None, :]
     b_key = tl.load(p_key + b_pair, mask=m_tok[:, None] & (o_s < S)[None, :], other=SLOT_NONE)
     o_leaf = (b_key % n_par).to(tl.int32)[:, :, None] * G_BR + o_c[None, None, :]  # [BT, SPP, GBP]
-    m_free = (b_key != SLOT_NONE)[:, :, None] & (o_c < G_BR)[None, None, :] & (o_leaf >= 1) \
-        & (o_leaf <= cur[:, None, None] - 2)
+    m_free = (b_key != SLOT_NONE)[:, :, None] & (o_c < G_BR)[None, None, :] \
+        & (o_leaf >= s0[:, None, None] + 1) & (o_leaf <= cur[:, None, None] - 2)
     b_s = tl.load(p_score + b_pair[:, :, None] * GBP + o_c[None, None, :], mask=m_free, other=0.)
     b_x = tl.where(m_free, pack(b_s, o_leaf), KEY_NONE)
     b_top = tl.topk(tl.reshape(b_x, [BT, SPP * GBP]), KS)  # [BT, KS]
-    b_row, count = selection_row(cur, b_top, TOPK, IN_BUDGET, SP)
+    b_row, count = selection_row(cur, b_top, s0, TOPK, IN_BUDGET, SP)
+    b_row = tl.where(m_q[:, None], b_row, -1)
+    count = tl.where(m_q, count, 0)
     store_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, b_row, count, s_ib, s_it, s_ih, s_cb, s_ct,
                     SLOTS)
 
@@ -841,7 +874,7 @@ def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool):
     return torch.stack(split, dim=3)[:, :, :, 0], D, 2 * D
 
 
-def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts):
+def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts, blk0):
     """Walk -> (tile, level-2 parent) pair keys -> sort -> leaf scores per parent group ->
     per-tile top-K. Extra memory: ~24 bytes per slot (keys, sorted keys, pair ids,
     scores), ``S = WPL + 3`` slots per (tile, KV head), plus 4 bytes per possible group, plus
@@ -887,14 +920,16 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts)
     child_bytes = (2 * GBP * WP * DP * summaries.element_size() * (2 if LO else 1)
                    * (2 if bound else 1))
     keys = torch.empty(B, n_tiles, HKV, S, dtype=torch.int32, device=q.device)
+    varlen = blk0 is not None
+    blk0 = blk0 if varlen else counts  # unread without VARLEN
     _pyramid_walk_kernel[(n_tiles, HKV, B)](
-        q, rows, summaries, pyramid.counts, off, keys, Tq, Tk, n_tiles, tile0, n_levels,
+        q, rows, summaries, pyramid.counts, off, keys, blk0, Tq, Tk, n_tiles, tile0, n_levels,
         g ** (n_levels - 2), cfg.scale, n_par, n_chunk, chunk, q.stride(0), q.stride(1),
         q.stride(2), *s_rows, summaries.stride(0), summaries.stride(1), summaries.stride(2),
         QT=Qt, G=G, GP=max(pow2(G), cdiv(16, TB)), TB=TB, NCH=cdiv(row_tokens, TB), D=D, DP=DP,
         C=C, G_BR=g, GBP=GBP, W=W, W2=W2, WP=WP, WPL=WPL, S=S,
         SCORER=SCORER_ID["lse" if bound else cfg.scorer], BOUND=bound, BO=BO, REDUCE=reduce_id,
-        MEAN=mean, LO=LO, LO_R=LO_R, SLOT_NONE=slot_none, F32_PREC=F32_PRECISION,
+        MEAN=mean, LO=LO, LO_R=LO_R, SLOT_NONE=slot_none, VARLEN=varlen, F32_PREC=F32_PRECISION,
         num_warps=4, num_stages=2 if 2 * child_bytes <= 160_000 else 1)
 
     pairs, start = sort_by_key(keys.view(-1), n_keys)  # group i: pairs[start[i]:start[i + 1]]
@@ -921,20 +956,20 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts)
     BT = 16
     SPP = pow2(S)
     _leaf_topk_kernel[(cdiv(n_tiles, BT), HKV, B)](
-        keys, scores, block_idx, counts, Tq, Tk, n_tiles, tile0, n_par,
+        keys, scores, block_idx, counts, blk0, Tq, Tk, n_tiles, tile0, n_par,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
         counts.stride(0), counts.stride(1),
         BT=BT, QT=Qt, C=C, G_BR=g, GBP=GBP, S=S, SPP=SPP, KS=min(SPP * GBP, pow2(cfg.topk)),
         TOPK=cfg.topk, SLOTS=cfg.slots, SP=pow2(cfg.slots), IN_BUDGET=cfg.forced_in_budget,
-        SLOT_NONE=slot_none, num_warps=4)
+        SLOT_NONE=slot_none, VARLEN=varlen, num_warps=4)
 
 
 # ------------------------------------------------------------------------------------------------
 # Public function
 # ------------------------------------------------------------------------------------------------
 
-def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
-                          pyramid: Pyramid) -> tuple[torch.Tensor, torch.Tensor]:
+def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig, pyramid: Pyramid,
+                          blk0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pyramid selection per query tile (``cfg.query_tile`` tokens, one by default) and KV head
     (``cfg.selector == "pyramid"``, beams narrower than the leaf count).
 
@@ -942,7 +977,9 @@ def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
     positions), ``pyramid`` the fp32 pyramid of ``k`` (``pisa.ops.pyramid``; built with bounds
     for ``scorer="bound"``). Returns ``block_idx [B, n_tiles, HKV, cfg.slots] int32`` (ascending,
     ``-1`` padded) and ``counts [B, n_tiles, HKV] int32``, ``n_tiles = n_query_tiles(Tq, Tk,
-    cfg.query_tile)`` (``Tq`` for per-token selection)."""
+    cfg.query_tile)`` (``Tq`` for per-token selection). ``blk0 [cdiv(Tk, C)]`` int32, for a packed
+    layout of sequences (``B = 1``, ``pisa.ops.varlen``): each block's sink, the first block of
+    its sequence, ``-1`` for a block without queries (its rows are left empty)."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
     if cfg.scorer == "bound" and pyramid.mins is None:
@@ -952,5 +989,5 @@ def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
     block_idx = empty(B, n_tiles, HKV, cfg.slots, dtype=torch.int32, device=q.device)
     counts = empty(B, n_tiles, HKV, dtype=torch.int32, device=q.device)
     if B * n_tiles * HKV:
-        _launch_select(q, k, cfg, pyramid, block_idx, counts)
+        _launch_select(q, k, cfg, pyramid, block_idx, counts, blk0)
     return block_idx, counts

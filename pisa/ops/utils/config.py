@@ -295,7 +295,8 @@ def check_block_idx(block_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 def check_block_idx_values(block_idx: torch.Tensor, n_keys: int, block_size: int,
-                           query_tile: int = 1, n_queries: int | None = None) -> None:
+                           query_tile: int = 1, n_queries: int | None = None,
+                           first: torch.Tensor | None = None) -> None:
     """Check the values of a selection ``block_idx [B, rows, HKV, S]`` of the last ``n_queries``
     (default: ``rows``, one per token) of ``n_keys`` positions, in blocks of ``block_size``; with
     ``query_tile > 1`` a row per query tile (row ``j``: the tile starting at absolute position
@@ -303,7 +304,9 @@ def check_block_idx_values(block_idx: torch.Tensor, n_keys: int, block_size: int
     valid block ids first, strictly ascending (no duplicates), each in
     ``[0, cdiv(n_keys, block_size))`` and causal (no block after the one holding the row's
     queries), then ``-1`` padding only (a row of ``-1`` alone attends to no key: ``o = 0``,
-    ``lse = -inf``). Raise ``ValueError`` naming the first bad row ``(b, row, h)``.
+    ``lse = -inf``). ``first [rows]`` int64, when given, is each row's first position instead
+    (packed sequences: a token's position in its own sequence). Raise ``ValueError`` naming the
+    first bad row ``(b, row, h)``.
 
     Cost: one elementwise pass and one reduction over the ``B * rows * HKV * S`` entries (no
     ``[T, T]`` or ``[T, N/C]`` temporaries), and one host sync: ``bool()`` of the result waits for
@@ -316,8 +319,9 @@ def check_block_idx_values(block_idx: torch.Tensor, n_keys: int, block_size: int
         return
     n_queries = rows if n_queries is None else n_queries
     # a row's first position (a query's own for query_tile = 1); its block is the causal limit
-    first = (torch.arange(rows, device=block_idx.device)
-             + (n_keys - n_queries) // query_tile) * query_tile
+    if first is None:
+        first = (torch.arange(rows, device=block_idx.device)
+                 + (n_keys - n_queries) // query_tile) * query_tile
     last = (first // block_size).to(torch.int32)[None, :, None, None]
     bad = (block_idx < -1) | (block_idx > last)
     if S > 1:  # a valid id must follow a valid, smaller id

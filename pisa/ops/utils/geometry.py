@@ -41,12 +41,15 @@ def level_offsets(n_tokens: int, block_size: int, branching: int) -> tuple[int, 
     return tuple(offsets)
 
 
-def forced_leaves_tensor(t_abs: torch.Tensor, block_size: int) -> torch.Tensor:
+def forced_leaves_tensor(t_abs: torch.Tensor, block_size: int,
+                         sink: torch.Tensor | None = None) -> torch.Tensor:
     """Forced leaf blocks of the queries at absolute positions ``t_abs [...]``: ``[..., 3]``
-    (sink, previous, current: ascending), duplicates as -1."""
+    (sink, previous, current: ascending), duplicates as -1. ``sink`` (broadcastable to
+    ``t_abs``): the first block of each query's sequence, 0 by default (a packed layout's
+    otherwise)."""
     cur = t_abs // block_size
-    prev = (cur - 1).clamp_min(0)
-    sink = torch.zeros_like(cur)
+    sink = torch.zeros_like(cur) if sink is None else torch.broadcast_to(sink, cur.shape)
+    prev = torch.maximum(cur - 1, sink)
     prev = torch.where(prev == sink, -1, prev)
     cur_u = torch.where((cur == sink) | (cur == prev), -1, cur)
     return torch.stack([sink, prev, cur_u], dim=-1)

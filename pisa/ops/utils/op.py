@@ -198,19 +198,22 @@ def key_scores(b_z, m_z, n, SCORER: tl.constexpr):
 
 @triton.jit
 def n_forced(cur):
-    """How many distinct forced blocks (sink, previous, current) a query in block ``cur`` has."""
+    """How many distinct forced blocks (sink, previous, current) a query in block ``cur`` (counted
+    from its sequence's first block) has."""
     return 1 + (cur >= 1).to(tl.int32) + (cur >= 2).to(tl.int32)
 
 
 @triton.jit
-def selection_row(cur, b_top, TOPK: tl.constexpr, IN_BUDGET: tl.constexpr, SP: tl.constexpr):
+def selection_row(cur, b_top, s0, TOPK: tl.constexpr, IN_BUDGET: tl.constexpr,
+                  SP: tl.constexpr):
     """Each token's selected blocks ascending, ``[BT, SP]`` int32 ``-1`` padded, and their count
-    ``[BT]``: the sink, the best ``TOPK - #forced`` (``TOPK``: ``IN_BUDGET=False``) free blocks of
-    ``b_top [BT, KS]`` (packed keys, best first; free blocks lie in ``[1, cur - 2]``), then blocks
+    ``[BT]``: the sink ``s0`` (its sequence's first block: 0, or per token in a packed layout),
+    the best ``TOPK - #forced`` (``TOPK``: ``IN_BUDGET=False``) free blocks of ``b_top [BT, KS]``
+    (packed keys, best first; free blocks lie in ``[s0 + 1, cur - 2]``), then blocks
     ``cur - 1, cur``."""
     KS: tl.constexpr = b_top.shape[1]
     o_k = tl.arange(0, KS)
-    nf = n_forced(cur)
+    nf = n_forced(cur - s0)
     budget = tl.full(cur.shape, TOPK, tl.int32)
     if IN_BUDGET:
         budget = budget - nf
@@ -222,11 +225,10 @@ def selection_row(cur, b_top, TOPK: tl.constexpr, IN_BUDGET: tl.constexpr, SP: t
     m_at = o_k[None, None, :] == o_s[None, :, None] - 1  # column s holds chosen block s - 1
     b_row = tl.sum(tl.where(m_at, b_sel[:, None, :], 0), axis=2)  # [BT, SP]
     b_row = tl.where(o_s[None, :] <= nc[:, None], b_row, -1)
-    b_row = tl.where((o_s[None, :] == count[:, None] - 2) & (cur[:, None] >= 2), cur[:, None] - 1,
-                     b_row)
-    b_row = tl.where((o_s[None, :] == count[:, None] - 1) & (cur[:, None] >= 1), cur[:, None],
-                     b_row)
-    return tl.where(o_s[None, :] == 0, 0, b_row), count
+    rel = (cur - s0)[:, None]
+    b_row = tl.where((o_s[None, :] == count[:, None] - 2) & (rel >= 2), cur[:, None] - 1, b_row)
+    b_row = tl.where((o_s[None, :] == count[:, None] - 1) & (rel >= 1), cur[:, None], b_row)
+    return tl.where(o_s[None, :] == 0, s0[:, None], b_row), count
 
 
 @triton.jit
