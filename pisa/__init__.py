@@ -11,9 +11,9 @@ with _warnings.catch_warnings():
     import torch as _torch  # noqa: F401
 
 from .api import pisa_attn, pisa_attn_with_kvcache, pisa_select  # noqa: E402
-from .cache import PisaCache  # noqa: E402
+from .cache import PagedPisaCache, PisaCache  # noqa: E402
 from .layers import PisaAttention  # noqa: E402
 from .version import __version__  # noqa: E402
 
-__all__ = ["pisa_attn", "pisa_select", "pisa_attn_with_kvcache", "PisaCache", "PisaAttention",
-           "__version__"]
+__all__ = ["pisa_attn", "pisa_select", "pisa_attn_with_kvcache", "PisaCache", "PagedPisaCache",
+           "PisaAttention", "__version__"]

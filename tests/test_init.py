@@ -36,5 +36,5 @@ def test_import_without_numpy_is_silent():
 
 def test_public_names():
     assert set(pisa.__all__) == {"pisa_attn", "pisa_select", "pisa_attn_with_kvcache",
-                                 "PisaCache", "PisaAttention", "__version__"}
+                                 "PisaCache", "PagedPisaCache", "PisaAttention", "__version__"}
     assert all(hasattr(pisa, name) for name in pisa.__all__)
