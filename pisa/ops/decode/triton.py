@@ -391,6 +391,7 @@ def _decode_kernel(
     # looks up the pages of the whole list (one load), so all agree on a page outside the pool.
     b_id, m_out = _block_ids(p_btb, b_sel, (b_sel >= 0) & (b_sel * C <= t), n_pages, PAGED)
     m_bad |= (n_out + tl.sum(m_out.to(tl.int32))) > 0
+    b_att = tl.where(m_out, -1, b_sel)  # a block without a page is not read (the row is NaN)
     p_vh = p_v + i_c * s_vb + i_h * s_vh
     o_t = tl.arange(0, C)
     b_m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
@@ -398,7 +399,7 @@ def _decode_kernel(
     b_acc = tl.zeros([ROWS, D], dtype=tl.float32)
     for j in tl.range(0, KPS, num_stages=ATTN_STAGES):
         m_j = o_s == i_s * KPS + j
-        blk = tl.sum(tl.where(m_j, b_sel + 1, 0)) - 1
+        blk = tl.sum(tl.where(m_j, b_att + 1, 0)) - 1
         i_id = tl.sum(tl.where(m_j, b_id, 0)).to(tl.int64)
         m_key = (blk >= 0) & (blk * C + o_t <= t)
         b_k = load_rows(p_kh + i_id * s_kblk, o_t.to(tl.int64) * s_kt, m_key, D)
