@@ -95,9 +95,9 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor
     offsets = level_offsets(T, block_size, branching)
     if sums.dim() != 4 or S < 1 or tuple(sums.shape[1:]) != (offsets[-1], H, D) \
             or sums.dtype != compute_dtype(k_cache):
-        rows = "S >= 1" if paged else S
+        rows, tmax = ("S >= 1", " = block_table's max_pages x block_size") if paged else (S, "")
         raise ValueError(f"sums must be {compute_dtype(k_cache)} [{rows}, {offsets[-1]}, {H}, "
-                         f"{D}] (pyramid of T_max={T}, block_size={block_size}, "
+                         f"{D}] (pyramid of T_max={T}{tmax}, block_size={block_size}, "
                          f"branching={branching}), got {sums.dtype} {tuple(sums.shape)}")
     if sums.device != k_cache.device or not sums.is_contiguous():
         raise ValueError(f"sums must be contiguous on k_cache's device {k_cache.device}")
