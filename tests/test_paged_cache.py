@@ -9,10 +9,15 @@ import torch
 from pisa import PagedPisaCache, PisaCache, pisa_attn_with_kvcache
 from pisa.ops.decode.kvcache import gather_pages
 from pisa.ops.pyramid.torch_backend import build_pyramid_torch
-from tests.ops.conftest import fast_interpreter  # noqa: F401 (the Triton cases' interpreter)
+from tests.ops.conftest import _interpreter_patched
 
 H, G, D, C = 2, 2, 16, 8
-pytestmark = pytest.mark.usefixtures("fast_interpreter")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_interpreter():
+    """The op tests' faster Triton interpreter (``tests/ops/conftest.py``) for the Triton case."""
+    yield from _interpreter_patched()
 
 
 def _tokens(n, dtype, gen):
@@ -67,9 +72,9 @@ def test_page_and_slot_management():
 def test_continuous_batching_equals_a_contiguous_cache_per_sequence(backend, dtype, C):
     """Sequences join (prompt by chunked prefill, then decode) and leave a running batch of a
     paged cache; each step decodes the live slots in one call. Every row equals the same
-    sequence run alone through a contiguous ``PisaCache`` (torch backend); removing a sequence moves no other
-    sequence's pages, and a newcomer reuses the freed ones. At the end each slot's pyramid
-    equals one rebuilt from its keys."""
+    sequence run alone through a contiguous ``PisaCache`` (torch backend); removing a sequence
+    moves no other sequence's pages, and a newcomer reuses the freed ones. At the end each
+    slot's pyramid equals one rebuilt from its keys."""
     T = 12 * C  # 12 leaves, 5 levels
     kw = dict(topk=4, beam=2, backend=backend)
     # the references, and every prompt, through the torch backend (the Triton interpreter is slow;
@@ -220,8 +225,8 @@ def test_pisa_attn_with_kvcache_rejects_bad_paged_input(over, exc, msg):
 def test_appends_need_their_pages():
     """The cache's own table: a sequence without a page for its next token is an error on CPU
     (``reserve`` first)."""
-    call = _bad_call(lambda c, a, b: dict(cache_seqlens=torch.tensor([16, 17],
-                                                                      dtype=torch.int32)))
+    lens = torch.tensor([16, 17], dtype=torch.int32)
+    call = _bad_call(lambda c, a, b: dict(cache_seqlens=lens))
     with pytest.raises(ValueError, match=r"block_table\[0, 2\] = -1 is not a page"):
         call()  # slot 0 holds 2 pages: its token 16 has none
 

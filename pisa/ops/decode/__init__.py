@@ -85,10 +85,10 @@ def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     ``cfg.query_tile > 1`` the selection has a row per query tile, expanded to the tokens'
     rows for the attention. Sequences of equal length go through together; otherwise one at a
     time (always, with ``slots``). ``seqlens`` are host ints (prefill may sync), as are ``slots``
-    (row ``b`` reads slot ``slots[b]`` of the cache; default ``b``). A paged cache (``block_table``) is read through
-    its table: the sequence's pages are gathered into one contiguous K and V
-    (``kvcache.gather_pages``, an O(seqlen) copy per call) for the training kernels. Returns
-    ``o`` (q's dtype), ``lse [B, HQ, L]`` fp32.
+    (row ``b`` reads slot ``slots[b]`` of the cache; default ``b``). A paged cache
+    (``block_table``) is read through its table: the sequence's pages are gathered into one
+    contiguous K and V (``kvcache.gather_pages``, an O(seqlen) copy per call) for the training
+    kernels. Returns ``o`` (q's dtype), ``lse [B, HQ, L]`` fp32.
     """
     B = q.shape[0]
     together = slots is None and len(set(seqlens)) == 1
