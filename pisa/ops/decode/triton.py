@@ -38,9 +38,9 @@ walk equals prefill's):
   exact LSE. Only ranked nodes' children are read, which lie wholly before the query, so the
   ``+inf`` / ``-inf`` bounds of nodes past a sequence are never loaded.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
-  keys (``select.triton.leaf_key_scores``: one ``[g * C, D]`` load and one dot per parent, the
-  next parents' keys loading meanwhile); the best ``K - #forced`` free blocks (``K`` with
-  ``forced_in_budget=False``) join the sink, previous and current blocks.
+  keys (``_leaf_keys`` and ``select.triton.leaf_scores``: one ``[g * C, D]`` load and one dot
+  per parent, the next parents' keys loading meanwhile); the best ``K - #forced`` free blocks
+  (``K`` with ``forced_in_budget=False``) join the sink, previous and current blocks.
 - attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
   list of selected blocks and runs an online softmax over their keys ``j <= t``. Every split
   repeats the walk and the leaf ranking in parallel (their reads of the same rows mostly hit L2)
