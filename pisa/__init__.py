@@ -12,9 +12,10 @@ with _warnings.catch_warnings():
 
 from .api import (pisa_attn, pisa_attn_varlen, pisa_attn_with_kvcache, pisa_select,  # noqa: E402
                   pisa_select_varlen)
-from .cache import PisaCache  # noqa: E402
+from .cache import PagedPisaCache, PisaCache  # noqa: E402
 from .layers import PisaAttention  # noqa: E402
 from .version import __version__  # noqa: E402
 
 __all__ = ["pisa_attn", "pisa_select", "pisa_attn_varlen", "pisa_select_varlen",
-           "pisa_attn_with_kvcache", "PisaCache", "PisaAttention", "__version__"]
+           "pisa_attn_with_kvcache", "PisaCache", "PagedPisaCache", "PisaAttention",
+           "__version__"]

@@ -8,7 +8,8 @@ import torch
 from .cache import PisaCache
 from .ops.attn import sparse_attn
 from .ops.decode import decode_step, prefill_with_cache
-from .ops.decode.kvcache import check_cache, check_new_kv, check_seqlens, write_kv
+from .ops.decode.kvcache import (check_batch_idx, check_block_table, check_cache,
+                                 check_new_kv, check_seqlens, write_kv)
 from .ops.select import select
 from .ops.utils.config import (AUTO_CROSSOVER_T, SelectConfig, check_block_idx,
                                check_block_idx_values, check_qk, n_query_tiles, resolve_backend,
@@ -314,14 +315,17 @@ def _varlen_block_idx(block_idx, q, k, lay: VarlenLayout, max_seqlen_k: int) -> 
 
 def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tensor | None = None,
                            v_new: torch.Tensor | None = None, *,
-                           cache_seqlens: torch.Tensor | int | None = None, topk: int = _K,
-                           beam: int | None = None, beam_leaf: int | None = None,
+                           cache_seqlens: torch.Tensor | int | None = None,
+                           block_table: torch.Tensor | None = None,
+                           cache_batch_idx: torch.Tensor | list[int] | None = None,
+                           topk: int = _K, beam: int | None = None, beam_leaf: int | None = None,
                            scorer: str = "lse", selector: str = "pyramid",
                            forced_in_budget: bool = True, scale: float | None = None,
                            query_tile: int = 1, tile_reduce: str = "sum",
                            return_lse: bool = False, backend: str = "auto"):
-    """PISA attention of new queries against a ``PisaCache`` (decode and chunked prefill), modeled
-    on ``flash_attn_with_kvcache``: appends ``k_new, v_new`` (keys and pyramid), then attends.
+    """PISA attention of new queries against a ``PisaCache`` or ``PagedPisaCache`` (decode and
+    chunked prefill), modeled on ``flash_attn_with_kvcache``: appends ``k_new, v_new`` (keys and
+    pyramid), then attends.
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), the cache's dtype and device. The queries are the
@@ -329,29 +333,52 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
             ``seqlen_q == 1`` is a decode step: ``decode_triton`` (one fused kernel, no host sync,
             CUDA-graph capturable) or ``decode_torch``. ``seqlen_q > 1`` is chunked prefill
             through the training selection (on the cache's pyramid) and attention kernels; it
-            syncs with the host and runs sequences of different lengths one at a time.
-        cache: PisaCache. Its ``block_size`` and ``branching`` are the selection's ``C`` and ``g``.
+            syncs with the host and runs sequences of different lengths one at a time (a paged
+            cache's pages gathered into one contiguous K and V per sequence and call).
+            ``batch`` is the cache's ``batch_size`` (its slots), or ``len(cache_batch_idx)``.
+        cache: PisaCache or PagedPisaCache. Its ``block_size`` and ``branching`` are the
+            selection's ``C`` and ``g``.
         k_new, v_new: optional (batch, seqlen_new, nheads_k, headdim), appended at the end of
-            every sequence before attending.
+            every sequence before attending (a paged cache must hold their pages:
+            ``PagedPisaCache.reserve``, or the caller's ``block_table``).
         cache_seqlens: None (default) or an int or (batch,) int32 tensor. None: the lengths are
-            ``cache.cache_seqlens``, and appending advances them by ``seqlen_new`` in place (the
-            cache owns its lengths, and its pyramid sums already include the new keys, so leaving
-            the lengths behind would count those keys twice at the next append). Given: the
-            lengths before the append, owned by the caller as in ``flash_attn_with_kvcache`` —
-            this call then neither reads nor advances ``cache.cache_seqlens``, and the caller
-            advances its own lengths by ``seqlen_new``. Either way the cache's sums must hold
-            exactly the first ``cache_seqlens`` keys of each sequence. Given lengths must lie in
+            ``cache.cache_seqlens`` (of the slots ``cache_batch_idx``), and appending advances
+            them by ``seqlen_new`` in place (the cache owns its lengths, and its pyramid sums
+            already include the new keys, so leaving the lengths behind would count those keys
+            twice at the next append). Given: the lengths before the append, owned by the
+            caller as in ``flash_attn_with_kvcache`` — this call then neither reads nor
+            advances ``cache.cache_seqlens``, and the caller advances its own lengths by
+            ``seqlen_new``. Either way the cache's sums must hold exactly the first
+            ``cache_seqlens`` keys of each sequence. Given lengths must lie in
             ``[0, max_seqlen - seqlen_new]``: an int or a CPU tensor out of range (or any, in
             chunked prefill) raises ``ValueError``; a CUDA tensor in a decode step is not read on
             the host (no sync, CUDA-graph capture still works): a length outside
             ``[0, max_seqlen]`` gives NaN rows.
+        block_table: optional (batch, max_pages) int32 on the cache's device, a
+            ``PagedPisaCache`` only: the caller's page table (a server's allocator, as
+            ``flash_attn_with_kvcache(block_table=)``): token ``p`` of sequence ``b`` lives in
+            page ``block_table[b, p // block_size]`` of the pool, row ``p % block_size``;
+            ``max_pages`` must be the cache's (its pyramid geometry). Default: the cache's own
+            ``block_table`` (rows ``cache_batch_idx``). Its values are checked on the host
+            (pages of each sequence's first ``cache_seqlens + seqlen_new`` tokens in
+            ``[0, num_pages)`` and distinct across sequences: ``ValueError`` naming the entry)
+            on CPU and in chunked prefill; a CUDA decode step reads it on the device only: a
+            page outside the pool among those it reads gives NaN rows, a shared page is not
+            detected (check at allocation: ``pisa.ops.decode.kvcache.check_block_table``).
+        cache_batch_idx: optional (batch,) int32 tensor (or list of ints) of distinct slots:
+            sequence ``b`` of this call is slot ``cache_batch_idx[b]`` of the cache (its
+            pyramid, its length when the cache owns them, its K/V rows when contiguous, its
+            ``block_table`` row when the cache owns the table). A running batch passes its live
+            slots, in any order (``PagedPisaCache.live_slots``). Default: every slot, in order.
+            Checked like ``block_table`` (host: on CPU and in chunked prefill; a CUDA decode
+            step gives NaN rows for a slot outside the cache).
         topk, beam, beam_leaf, scorer, selector, forced_in_budget, scale, query_tile,
             tile_reduce: as in ``pisa_attn``; ``selector="auto"`` chooses by the cache's
             ``max_seqlen``. A decode step is always per token (``query_tile`` applies to chunked
             prefill only). ``scorer="bound"`` reads the cache's per-node key bounds, built on
-            first use (one O(max_seqlen) pass and an allocation: not inside a CUDA-graph capture)
-            unless the cache was made with ``bounds=True``; a cache with bounds keeps them
-            current at every append.
+            first use (one O(max_seqlen) pass and an allocation: not inside a CUDA-graph capture;
+            not with ``cache_batch_idx`` or a caller's ``block_table``) unless the cache was made
+            with ``bounds=True``; a cache with bounds keeps them current at every append.
         return_lse: bool. Also return the log-normaliser. Default False.
         backend: "auto" (default: Triton on CUDA when installed, else torch) | "torch" | "triton"
             | "naive" (the fp64 oracle, one sequence at a time; tiny inputs only).
@@ -363,7 +390,20 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
     """
     if not isinstance(cache, PisaCache):
         raise TypeError(f"cache must be a pisa.PisaCache, got {type(cache).__name__}")
-    B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    paged = cache.block_table is not None
+    if block_table is not None and not paged:
+        raise ValueError("block_table needs a pisa.PagedPisaCache (its page pool); a PisaCache "
+                         "is contiguous")
+    idx = cache_batch_idx
+    if isinstance(idx, (list, tuple)):
+        idx = torch.tensor(idx, dtype=torch.int32, device=cache.device)
+    if idx is not None and (not isinstance(idx, torch.Tensor) or idx.dtype != torch.int32
+                            or idx.dim() != 1 or idx.device != cache.device):
+        raise ValueError(f"cache_batch_idx must be an int32 [B] tensor on {cache.device} or a "
+                         f"list of ints, got {getattr(idx, 'dtype', type(idx).__name__)} "
+                         f"{tuple(getattr(idx, 'shape', ()))}")
+    B = cache.batch_size if idx is None else idx.shape[0]
+    H, D = cache.num_kv_heads, cache.head_dim
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B or q.shape[1] < 1 \
             or q.shape[3] != D or q.shape[2] % H:
         raise ValueError(f"q must have shape [B={B}, seqlen_q >= 1, nheads (a multiple of "
@@ -374,38 +414,63 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     backend = resolve_backend(backend, q)
-    cfg = resolve_config(q, cache.k_cache, backend, block_size=cache.block_size, topk=topk,
+    # only the capacity of k is read (selector="auto"): a shape, not the (paged) keys
+    capacity = torch.empty(1, cache.max_seqlen, H, D, device="meta")
+    cfg = resolve_config(q, capacity, backend, block_size=cache.block_size, topk=topk,
                          branching=cache.branching, beam=beam, beam_leaf=beam_leaf,
                          scorer=scorer, selector=selector, forced_in_budget=forced_in_budget,
                          scale=scale, query_tile=query_tile, tile_reduce=tile_reduce)
     own = cache_seqlens is None
     if own:
-        lens = cache.cache_seqlens
+        lens = cache.cache_seqlens if idx is None else _rows(cache.cache_seqlens, idx)
     elif isinstance(cache_seqlens, int):
         lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
         lens = cache_seqlens
+    table = block_table
+    if table is None and paged:
+        table = cache.block_table if idx is None else _rows(cache.block_table, idx)
     if cfg.uses_bounds and cache.mins is None:
+        if idx is not None or block_table is not None:
+            raise ValueError("scorer='bound' with cache_batch_idx or a caller's block_table "
+                             "needs a cache made with bounds=True")
         cache.enable_bounds(lens)
     # the one validation of the step: the ops below take the checked tensors as they are
     check_cache(cache.k_cache, cache.v_cache, cache.sums, lens, cache.block_size, cache.branching,
-                cache.mins, cache.maxs)
+                cache.mins, cache.maxs, block_table=table, cache_batch_idx=idx)
+    n_new = 0 if k_new is None else k_new.shape[1]
     if k_new is not None:
-        check_new_kv(cache.k_cache, k_new, v_new)
+        check_new_kv(cache.k_cache, k_new, v_new, B)
+    prefill = q.shape[1] > 1
     if not own:  # the cache keeps its own lengths in range; a caller's are checked here
-        check_seqlens(cache_seqlens, cache.max_seqlen, 0 if k_new is None else k_new.shape[1],
-                      sync=q.shape[1] > 1)
+        check_seqlens(cache_seqlens, cache.max_seqlen, n_new, sync=prefill)
+    if prefill or q.device.type == "cpu":  # host checks of a caller's table and slots
+        if idx is not None:
+            check_batch_idx(idx, cache.batch_size)
+        if block_table is not None:
+            check_block_table(block_table, lens, cache.num_pages, cache.block_size, n_new)
+    where = dict(block_table=table, cache_batch_idx=idx)
     if k_new is not None:
         write_kv(cache.k_cache, cache.v_cache, cache.sums, k_new, v_new, lens, cache.block_size,
-                 cache.branching, cache.mins, cache.maxs)
-        if own:
-            lens.add_(k_new.shape[1])
+                 cache.branching, cache.mins, cache.maxs, **where)
+        if own and idx is None:
+            lens.add_(n_new)
         else:
-            lens = lens + k_new.shape[1]
+            lens = lens + n_new
+            if own:
+                cache.cache_seqlens.scatter_(0, idx.long(), lens)
     if q.shape[1] == 1 and backend in ("torch", "triton"):
         o, lse = decode_step(q, cache.k_cache, cache.v_cache, cache.sums, lens, cfg, backend,
-                             cache.mins, cache.maxs)
+                             cache.mins, cache.maxs, **where)
     else:
         o, lse = prefill_with_cache(q, cache.k_cache, cache.v_cache, cache.sums, lens.tolist(),
-                                    cfg, backend, cache.mins, cache.maxs)
+                                    cfg, backend, cache.mins, cache.maxs, block_table=table,
+                                    slots=None if idx is None else idx.tolist())
     return (o, lse) if return_lse else o
+
+
+def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of a cache's per-slot tensor (a gather on the device). A slot outside the
+    cache reads slot 0: ``check_batch_idx`` reports it on the host, or, in a CUDA decode step,
+    the kernel gives that sequence NaN rows."""
+    return x[torch.where((idx >= 0) & (idx < x.shape[0]), idx, 0)]

@@ -37,5 +37,5 @@ def test_import_without_numpy_is_silent():
 def test_public_names():
     assert set(pisa.__all__) == {"pisa_attn", "pisa_select", "pisa_attn_varlen",
                                  "pisa_select_varlen", "pisa_attn_with_kvcache", "PisaCache",
-                                 "PisaAttention", "__version__"}
+                                 "PagedPisaCache", "PisaAttention", "__version__"}
     assert all(hasattr(pisa, name) for name in pisa.__all__)

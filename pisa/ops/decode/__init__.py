@@ -15,18 +15,22 @@ import torch
 from ..attn import sparse_attn
 from ..select import select
 from ..utils.config import SelectConfig, check_qk
-from .kvcache import check_cache, pyramid_from_sums
+from .kvcache import check_cache, gather_pages, pyramid_from_sums
 
 
 def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig,
-                 mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None) -> None:
-    """Validate decode inputs (metadata only: no host sync). ``scorer="bound"`` needs the cache's
-    key bounds ``mins, maxs`` (a cache made with ``bounds=True``)."""
-    check_cache(k_cache, v_cache, sums, cache_seqlens, cfg.block_size, cfg.branching, mins, maxs)
+                 mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None, *,
+                 block_table: torch.Tensor | None = None,
+                 cache_batch_idx: torch.Tensor | None = None) -> None:
+    """Validate decode inputs (metadata only: no host sync; ``kvcache.check_cache`` for the cache
+    forms). ``scorer="bound"`` needs the cache's key bounds ``mins, maxs`` (a cache made with
+    ``bounds=True``)."""
+    check_cache(k_cache, v_cache, sums, cache_seqlens, cfg.block_size, cfg.branching, mins, maxs,
+                block_table=block_table, cache_batch_idx=cache_batch_idx)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    B, _, H, D = k_cache.shape
+    B, (H, D) = cache_seqlens.shape[0], k_cache.shape[2:]
     if q.dim() != 4 or q.shape[0] != B or q.shape[1] != 1 or q.shape[3] != D \
             or q.shape[2] % H:
         raise ValueError(f"q must have shape [B={B}, 1, HQ, D={D}] with HQ a multiple of "
@@ -44,27 +48,33 @@ def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, backend: str,
-                mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None):
+                mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None, *,
+                block_table: torch.Tensor | None = None,
+                cache_batch_idx: torch.Tensor | None = None):
     """One decode step for inputs the caller checked (``check_decode``): the fused kernel walks
     the pyramid (LSE scores, or with the key bounds ``mins, maxs`` for ``scorer="bound"``; any
     ``beam_leaf``) on ``backend="triton"``; flat scans and the mean / meanvar ablations decode
-    through the torch path. Returns ``o [B, 1, HQ, D]``, ``lse [B, HQ, 1]`` fp32.
+    through the torch path. Either reads a paged cache through ``block_table`` and the slots of
+    ``cache_batch_idx`` (``kvcache`` layout). Returns ``o [B, 1, HQ, D]``, ``lse [B, HQ, 1]``
+    fp32.
 
     A decode step is always per token: ``cfg.query_tile`` and ``cfg.tile_reduce`` are ignored by
     design (``PISA_SPEC.md`` §11), so with ``query_tile > 1`` the step equals prefill's row of
     a per-token selection (``query_tile=1``), not of the tile-shared one."""
     cfg = dataclasses.replace(cfg, query_tile=1, tile_reduce="sum")  # one token: any reduction
+    where = dict(mins=mins, maxs=maxs, block_table=block_table, cache_batch_idx=cache_batch_idx)
     if backend == "triton" and cfg.selector == "pyramid" and cfg.scorer in ("lse", "bound"):
         from .triton import decode_triton
-        return decode_triton(q, k_cache, v_cache, sums, cache_seqlens, cfg, mins=mins,
-                             maxs=maxs)
+        return decode_triton(q, k_cache, v_cache, sums, cache_seqlens, cfg, **where)
     from .torch_backend import decode_torch
-    return decode_torch(q, k_cache, v_cache, sums, cache_seqlens, cfg, mins=mins, maxs=maxs)
+    return decode_torch(q, k_cache, v_cache, sums, cache_seqlens, cfg, **where)
 
 
 def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        sums: torch.Tensor, seqlens: list[int], cfg: SelectConfig, backend: str,
-                       mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None):
+                       mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None, *,
+                       block_table: torch.Tensor | None = None,
+                       slots: list[int] | None = None):
     """Chunked prefill: queries ``q [B, L, HQ, D]`` at the last ``L`` positions of each
     sequence's first ``seqlens[b]`` keys (bottom-right causal), whose keys are already appended.
 
@@ -74,21 +84,30 @@ def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     backends (``naive`` builds its own from the keys), then ``sparse_attn``. With
     ``cfg.query_tile > 1`` the selection has a row per query tile, expanded to the tokens'
     rows for the attention. Sequences of equal length go through together; otherwise one at a
-    time. ``seqlens`` are host ints (prefill may sync). Returns ``o`` (q's dtype),
-    ``lse [B, HQ, L]`` fp32.
+    time (always, with ``slots``). ``seqlens`` are host ints (prefill may sync), as are ``slots``
+    (row ``b`` reads slot ``slots[b]`` of the cache; default ``b``). A paged cache
+    (``block_table``) is read through its table: the sequence's pages are gathered into one
+    contiguous K and V (``kvcache.gather_pages``, an O(seqlen) copy per call) for the training
+    kernels. Returns ``o`` (q's dtype), ``lse [B, HQ, L]`` fp32.
     """
-    groups = [slice(None)] if len(set(seqlens)) == 1 else [slice(b, b + 1)
-                                                           for b in range(q.shape[0])]
+    B = q.shape[0]
+    together = slots is None and len(set(seqlens)) == 1
+    groups = [slice(None)] if together else [slice(b, b + 1) for b in range(B)]
     bound = cfg.uses_bounds and mins is not None
     outs, lses = [], []
     for rows in groups:
         s = seqlens[rows][0]
-        qb, k, v = q[rows], k_cache[rows, :s], v_cache[rows, :s]
+        at = rows if slots is None else slice(slots[rows.start], slots[rows.start] + 1)
+        qb = q[rows]
+        if block_table is None:
+            k, v = k_cache[at, :s], v_cache[at, :s]
+        else:
+            k, v = (gather_pages(x, block_table[rows], s) for x in (k_cache, v_cache))
         check_qk(qb, k, v)
         pyramid = None
         if backend != "naive":
-            bounds = (mins[rows], maxs[rows]) if bound else (None, None)
-            pyramid = pyramid_from_sums(sums[rows], s, cfg.block_size, cfg.branching, *bounds)
+            bounds = (mins[at], maxs[at]) if bound else (None, None)
+            pyramid = pyramid_from_sums(sums[at], s, cfg.block_size, cfg.branching, *bounds)
         block_idx, _ = select(qb.detach(), k, cfg, backend, pyramid)
         o, lse = sparse_attn(qb, k, v, block_idx, cfg.block_size, cfg.scale, backend,
                              query_tile=cfg.query_tile)

@@ -17,6 +17,21 @@ Layout (contiguous form, per layer; shared with ``decode.torch`` and ``decode.tr
   node bounds only its real keys. A cache made without them (the default) allocates nothing;
   ``bounds_from_keys`` builds them from the keys when asked for later.
 
+Paged form (``block_table`` given; vLLM / ``flash_attn_with_kvcache(block_table=...)``):
+
+- ``k_cache, v_cache [num_pages, C, HKV, D]``: a pool of pages of ``C`` tokens, one leaf block a
+  page, shared by every sequence.
+- ``block_table [B, max_pages]`` int32: leaf ``i`` of batch row ``b`` (its keys ``[i·C, (i+1)·C)``)
+  is page ``block_table[b, i]``. Entries past a sequence's pages are never read (any value; ``-1``
+  by convention). ``T_max = max_pages·C`` is the geometry of ``sums``.
+- The pyramid stays per sequence, in the per-slot ``sums`` (and bounds) above.
+
+Slots (``cache_batch_idx [B]`` int32, as ``flash_attn_with_kvcache``'s): batch row ``b`` uses slot
+``cache_batch_idx[b]`` of every per-sequence tensor of the cache: the rows of ``sums`` (and
+bounds), and in the contiguous form those of ``k_cache, v_cache``. ``None``: row ``b`` is slot
+``b``. ``cache_seqlens`` and ``block_table`` are per batch row. A running batch of a serving loop
+is the slots of its live sequences, in any order; adding or removing a sequence moves nothing.
+
 Counts are not stored: node ``i`` of level ``l`` holds ``clamp(seqlen - i·C·g^(l-1), 0,
 C·g^(l-1))`` keys. Keeping sums (not means) makes an append a plain add into the new key's leaf and
 each of its ancestors: O(log N) work per token, O(N/C) memory on top of K/V. The bounds update the
@@ -31,22 +46,32 @@ import torch.nn.functional as F
 
 from ..pyramid import Pyramid
 from ..utils.config import check_geometry
-from ..utils.geometry import compute_dtype, level_offsets, level_sizes
+from ..utils.geometry import cdiv, compute_dtype, level_offsets, level_sizes
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
                 cache_seqlens: torch.Tensor, block_size: int, branching: int,
-                mins: torch.Tensor | None = None,
-                maxs: torch.Tensor | None = None) -> tuple[int, ...]:
+                mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None, *,
+                block_table: torch.Tensor | None = None,
+                cache_batch_idx: torch.Tensor | None = None) -> tuple[int, ...]:
     """Validate a cache's tensors (metadata only: no host sync), the optional key bounds
-    ``mins, maxs`` (both or neither, each like ``sums``) too; return the pyramid offsets."""
+    ``mins, maxs`` (both or neither, each like ``sums``), page table and slots too; return the
+    pyramid offsets (geometry of ``T_max``).
+
+    Contiguous: ``k_cache [S, T_max, HKV, D]``. Paged (``block_table [B, max_pages]`` int32):
+    ``k_cache [num_pages, block_size, HKV, D]``, ``T_max = max_pages * block_size``. ``sums`` has
+    a row per slot ``S``; ``cache_seqlens``, ``block_table`` and ``cache_batch_idx`` one per batch
+    row ``B`` (``B = S`` without ``cache_batch_idx``). The values of the table and the slots are
+    not read here (``check_block_table``, ``check_batch_idx``)."""
     check_geometry(block_size, branching)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("sums", sums),
                     ("cache_seqlens", cache_seqlens)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    paged = block_table is not None
+    form = "[num_pages, block_size, HKV, D] page pool" if paged else "[B, T_max, HKV, D]"
     if k_cache.dim() != 4 or not k_cache.is_floating_point():
-        raise ValueError(f"k_cache must be a floating-point [B, T_max, HKV, D] tensor, got "
+        raise ValueError(f"k_cache must be a floating-point {form} tensor, got "
                          f"{k_cache.dtype} {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype \
             or v_cache.device != k_cache.device:
@@ -55,22 +80,93 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor
                          f"{k_cache.device})")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must be contiguous in their last (head) dim")
-    B, T, H, D = k_cache.shape
+    H, D = k_cache.shape[2:]
+    if paged:
+        _check_index("block_table", block_table, 2, k_cache.device)
+        if block_table.shape[1] < 1:
+            raise ValueError(f"block_table must have at least one page a row, got "
+                             f"{tuple(block_table.shape)}")
+        if k_cache.shape[1] != block_size:
+            raise ValueError(f"k_cache must be a {form} with pages of block_size={block_size} "
+                             f"tokens (one leaf block a page), got {tuple(k_cache.shape)}")
+        S, T = sums.shape[0] if sums.dim() == 4 else -1, block_table.shape[1] * block_size
+    else:
+        S, T = k_cache.shape[:2]
     offsets = level_offsets(T, block_size, branching)
-    want = (B, offsets[-1], H, D)
-    if tuple(sums.shape) != want or sums.dtype != compute_dtype(k_cache):
-        raise ValueError(f"sums must be {compute_dtype(k_cache)} {list(want)} (pyramid of "
-                         f"T_max={T}, block_size={block_size}, branching={branching}), got "
-                         f"{sums.dtype} {tuple(sums.shape)}")
+    if sums.dim() != 4 or S < 1 or tuple(sums.shape[1:]) != (offsets[-1], H, D) \
+            or sums.dtype != compute_dtype(k_cache):
+        rows, tmax = ("S >= 1", " = block_table's max_pages x block_size") if paged else (S, "")
+        raise ValueError(f"sums must be {compute_dtype(k_cache)} [{rows}, {offsets[-1]}, {H}, "
+                         f"{D}] (pyramid of T_max={T}{tmax}, block_size={block_size}, "
+                         f"branching={branching}), got {sums.dtype} {tuple(sums.shape)}")
     if sums.device != k_cache.device or not sums.is_contiguous():
         raise ValueError(f"sums must be contiguous on k_cache's device {k_cache.device}")
     check_bounds(sums, mins, maxs)
+    B = S
+    if cache_batch_idx is not None:
+        _check_index("cache_batch_idx", cache_batch_idx, 1, k_cache.device)
+        B = cache_batch_idx.shape[0]
+    if paged and block_table.shape[0] != B:
+        what = "cache_batch_idx's" if cache_batch_idx is not None else "the cache's slots"
+        raise ValueError(f"block_table must have a row per sequence ({what} {B}), got "
+                         f"{tuple(block_table.shape)}")
     if tuple(cache_seqlens.shape) != (B,) or cache_seqlens.dtype != torch.int32 \
             or cache_seqlens.device != k_cache.device:
         raise ValueError(f"cache_seqlens must be int32 [{B}] on {k_cache.device}, got "
                          f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)} on "
                          f"{cache_seqlens.device}")
     return offsets
+
+
+def _check_index(name: str, x, dim: int, device: torch.device) -> None:
+    """An int32 index tensor of ``dim`` dims on ``device``, contiguous in its last dim."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dim or x.dtype != torch.int32 or x.device != device \
+            or (x.numel() and x.stride(-1) != 1):
+        shape = "[B, max_pages]" if dim == 2 else "[B]"
+        raise ValueError(f"{name} must be an int32 {shape} tensor on {device}, contiguous in its "
+                         f"last dim, got {x.dtype} {tuple(x.shape)} on {x.device}")
+
+
+def check_block_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_pages: int,
+                      block_size: int, n_new: int = 0) -> None:
+    """Check the values of a page table (host sync: run at cache-management time, where pages
+    are allocated, or where the lengths are read on the host anyway; never in a decode step):
+    the pages holding each row's first ``cache_seqlens[b] + n_new`` tokens must be in
+    ``[0, num_pages)``, fit ``max_pages``, and differ between rows (a page shared by two live
+    sequences would mix their keys). ``ValueError`` naming the first bad entry."""
+    max_pages = block_table.shape[1]
+    n = (cache_seqlens.long().clamp_min(0) + n_new + block_size - 1) // block_size  # pages used
+    if bool((n > max_pages).any()):
+        b = int((n > max_pages).nonzero()[0, 0])
+        raise ValueError(f"block_table has {max_pages} pages a row, but row {b} needs {int(n[b])} "
+                         f"for {int(cache_seqlens[b]) + n_new} tokens")
+    used = torch.arange(max_pages, device=block_table.device)[None, :] < n[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {i}] = {int(block_table[b, i])} is not a page of the "
+                         f"pool [0, {num_pages}) (row {b} holds {int(n[b])} pages)")
+    pages, counts = block_table[used].unique(return_counts=True)
+    if bool((counts > 1).any()):
+        page = int(pages[counts > 1][0])
+        rows = sorted({int(b) for b in ((block_table == page) & used).nonzero()[:, 0]})
+        raise ValueError(f"block_table: page {page} is used by rows {rows} (or twice by one): "
+                         f"the pages of live sequences must differ")
+
+
+def check_batch_idx(cache_batch_idx: torch.Tensor, num_slots: int) -> None:
+    """Check the values of ``cache_batch_idx`` (host sync, as ``check_block_table``): distinct
+    slots in ``[0, num_slots)``. ``ValueError`` naming the first bad entry."""
+    bad = (cache_batch_idx < 0) | (cache_batch_idx >= num_slots)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(f"cache_batch_idx[{b}] = {int(cache_batch_idx[b])} is not a slot of the "
+                         f"cache [0, {num_slots})")
+    if cache_batch_idx.unique().numel() != cache_batch_idx.numel():
+        raise ValueError(f"cache_batch_idx must hold distinct slots, got "
+                         f"{cache_batch_idx.tolist()}")
 
 
 def check_bounds(sums: torch.Tensor, mins: torch.Tensor | None,
@@ -119,9 +215,11 @@ def check_seqlens(cache_seqlens: torch.Tensor | int, max_seqlen: int, n_new: int
                          f"{int(cache_seqlens[b])}")
 
 
-def check_new_kv(k_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-    """Validate keys and values to append to ``k_cache [B, T_max, HKV, D]`` (metadata only)."""
-    B, T, H, D = k_cache.shape
+def check_new_kv(k_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 batch_size: int) -> None:
+    """Validate keys and values to append for ``batch_size`` sequences to a cache whose
+    ``k_cache`` (either form) has ``HKV, D`` in its last two dims (metadata only)."""
+    B, (H, D) = batch_size, k_cache.shape[2:]
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -139,55 +237,90 @@ def check_new_kv(k_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
 def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
               k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
               block_size: int, branching: int, mins: torch.Tensor | None = None,
-              maxs: torch.Tensor | None = None) -> None:
+              maxs: torch.Tensor | None = None, *, block_table: torch.Tensor | None = None,
+              cache_batch_idx: torch.Tensor | None = None) -> None:
     """``write_kv`` after checking the cache (``check_cache``) and the new rows."""
-    check_cache(k_cache, v_cache, sums, cache_seqlens, block_size, branching, mins, maxs)
-    check_new_kv(k_cache, k_new, v_new)
+    check_cache(k_cache, v_cache, sums, cache_seqlens, block_size, branching, mins, maxs,
+                block_table=block_table, cache_batch_idx=cache_batch_idx)
+    check_new_kv(k_cache, k_new, v_new, cache_seqlens.shape[0])
     write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching, mins,
-             maxs)
+             maxs, block_table=block_table, cache_batch_idx=cache_batch_idx)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
              k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
              block_size: int, branching: int, mins: torch.Tensor | None = None,
-             maxs: torch.Tensor | None = None) -> None:
+             maxs: torch.Tensor | None = None, *, block_table: torch.Tensor | None = None,
+             cache_batch_idx: torch.Tensor | None = None) -> None:
     """Write ``k_new, v_new [B, L, HKV, D]`` at positions ``[seqlens_b, seqlens_b + L)`` of each
     sequence and add the new keys into their leaf's and every ancestor's sum, in place (inputs
     checked by the caller). With the key bounds ``mins, maxs`` (the cache's, or ``None``), the
     same nodes' bounds take the elementwise min / max with the new keys: O(log N) per token too.
+    Paged (``block_table``): position ``p`` of row ``b`` goes to page ``block_table[b, p // C]``,
+    row ``p % C``; ``cache_batch_idx``: row ``b`` updates slot ``cache_batch_idx[b]``'s sums
+    (and, contiguous, its K/V rows).
 
     Does not advance ``cache_seqlens`` (the caller does). All indices are computed on the device
     from ``cache_seqlens``: no host sync and no branching on tensor values, so a decode step that
     appends can be captured in a CUDA graph. On CPU it also checks that no sequence overflows
-    ``T_max``; on CUDA that check would cost a host sync, so an overflowing write is left to the
-    index kernel's device-side bounds assert (as with FlashAttention's cache).
+    ``T_max``, that every page written is in the pool and every slot in the cache; on CUDA those
+    checks would cost a host sync, so an overflowing write, a ``-1`` (or out-of-range) page or
+    slot is left to the index kernels' device-side bounds asserts (as with FlashAttention's
+    cache: an unallocated page is sent out of range, never to the pool's last page).
     """
-    B, T, H, D = k_cache.shape
-    offsets = level_offsets(T, block_size, branching)
-    L = k_new.shape[1]
+    B, L = k_new.shape[:2]
+    S, N, H, D = sums.shape
+    C, dev = block_size, k_cache.device
+    T = k_cache.shape[1] if block_table is None else block_table.shape[1] * C
+    offsets = level_offsets(T, C, branching)
     if L == 0:
         return
-    if k_cache.device.type == "cpu":
+    pos = cache_seqlens.long()[:, None] + torch.arange(L, device=dev)  # [B, L]
+    slot = torch.arange(B, device=dev) if cache_batch_idx is None else cache_batch_idx.long()
+    if dev.type == "cpu":
         bad = (cache_seqlens < 0) | (cache_seqlens > T - L)
         if bool(bad.any()):
             raise ValueError(f"cache_seqlens {cache_seqlens.tolist()} + {L} new tokens exceed "
                              f"the cache's max_seqlen {T} (or are negative)")
-    dev = k_cache.device
-    pos = cache_seqlens.long()[:, None] + torch.arange(L, device=dev)  # [B, L]
-    seq = torch.arange(B, device=dev)[:, None].expand(B, L)
-    k_cache[seq, pos] = k_new
-    v_cache[seq, pos] = v_new
-    flat = sums.view(B * offsets[-1], H, D)
+        if bool(((slot < 0) | (slot >= S)).any()):
+            raise ValueError(f"cache_batch_idx {slot.tolist()} holds slots outside [0, {S})")
+    slot = slot[:, None].expand(B, L)
+    if block_table is None:
+        k_cache[slot, pos] = k_new
+        v_cache[slot, pos] = v_new
+    else:
+        n_pages = k_cache.shape[0]
+        page = block_table.long().gather(1, pos // C)
+        ok = (page >= 0) & (page < n_pages)
+        if dev.type == "cpu" and not bool(ok.all()):
+            b, j = (int(x) for x in (~ok).nonzero()[0])
+            raise ValueError(f"block_table[{b}, {int(pos[b, j]) // C}] = {int(page[b, j])} is "
+                             f"not a page of the pool [0, {n_pages}) (position {int(pos[b, j])})")
+        page = torch.where(ok, page, n_pages)  # out of range: the write's device-side assert
+        k_cache[page, pos % C] = k_new
+        v_cache[page, pos % C] = v_new
+    flat = sums.view(S * N, H, D)
     keys = k_new.reshape(B * L, H, D).to(sums.dtype)
-    base = seq * offsets[-1]
-    bounds = [] if mins is None else [(mins.view(B * offsets[-1], H, D), "amin"),
-                                      (maxs.view(B * offsets[-1], H, D), "amax")]
+    base = slot * N
+    bounds = [] if mins is None else [(mins.view(S * N, H, D), "amin"),
+                                      (maxs.view(S * N, H, D), "amax")]
     for lvl in range(1, len(offsets)):
-        span = block_size * branching ** (lvl - 1)  # keys under one node of this level
+        span = C * branching ** (lvl - 1)  # keys under one node of this level
         rows = (base + offsets[lvl - 1] + pos // span).reshape(-1)
         flat.index_add_(0, rows, keys)
         for x, reduce in bounds:
             x.scatter_reduce_(0, rows[:, None, None].expand(B * L, H, D), keys, reduce)
+
+
+def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows ``[B, n, HKV, D]`` of each sequence of a page pool
+    ``pool [num_pages, C, HKV, D]`` through ``block_table [B, max_pages]``: a copy (the paged
+    form of ``k_cache[:, :n]``). Entries outside the pool read page 0 (rows past a sequence's
+    pages may hold anything; their keys are never used)."""
+    P, C = pool.shape[:2]
+    pages = block_table[:, :cdiv(n, C)].long()
+    pages = torch.where((pages >= 0) & (pages < P), pages, 0)
+    return pool[pages].flatten(1, 2)[:, :n]
 
 
 def empty_bounds(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,14 +38,21 @@ walk equals prefill's):
   exact LSE. Only ranked nodes' children are read, which lie wholly before the query, so the
   ``+inf`` / ``-inf`` bounds of nodes past a sequence are never loaded.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
-  keys (``select.triton.leaf_key_scores``: one ``[g * C, D]`` load and one dot per parent, the
-  next parents' keys loading meanwhile); the best ``K - #forced`` free blocks (``K`` with
-  ``forced_in_budget=False``) join the sink, previous and current blocks.
+  keys (``_leaf_keys`` and ``select.triton.leaf_scores``: one ``[g * C, D]`` load and one dot
+  per parent, the next parents' keys loading meanwhile); the best ``K - #forced`` free blocks
+  (``K`` with ``forced_in_budget=False``) join the sink, previous and current blocks.
 - attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
   list of selected blocks and runs an online softmax over their keys ``j <= t``. Every split
   repeats the walk and the leaf ranking in parallel (their reads of the same rows mostly hit L2)
   instead of paying a second launch and a round trip through memory. One split writes the final
   ``o, lse``; several write fp32 partials that ``_combine_kernel`` merges by their LSE.
+
+Paged cache (``block_table``, ``PAGED``) and slots (``cache_batch_idx``, ``SLOT_IDX``; both
+constexprs, so the contiguous kernel is unchanged): the walk reads only the sums, per slot; the
+leaf stage loads each scored parent's ``g`` table entries with its leaves' keys, and the attention
+the entries of the whole selected list once before its loop, then every block is one page
+(``C`` tokens). An entry the step reads outside the pool, or a slot outside the cache, gives NaN
+rows (no host check: ``kvcache.check_block_table`` is for allocation time).
 
 A step is a chain of dependent memory round trips (each ranked level's child sums depend on the
 level above); ``num_stages`` lets each loop load its next tiles while it scores the current one.
@@ -75,7 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..select.triton import candidates, forced_parents, leaf_key_scores
+from ..select.triton import candidates, forced_parents, leaf_scores
 from ..utils.config import SelectConfig
 from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.op import (F32_PRECISION, KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries,
@@ -187,47 +194,79 @@ def _level_scores(b_q, b_qb, m_row, b_rest, n_rest, cur, shift, p_child, p_lo, s
 
 
 @triton.jit
-def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, s_kt, scale, C: tl.constexpr,
-              G_BR: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, WP: tl.constexpr,
-              KS: tl.constexpr, F32_PREC: tl.constexpr, STAGES: tl.constexpr):
+def _block_ids(p_btb, blk, m_blk, n_pages, PAGED: tl.constexpr):
+    """Where the sequence's blocks ``blk`` live: with ``PAGED`` their pages (row ``p_btb`` of
+    the page table), else the blocks themselves (offsets from the sequence's first key), and
+    which of those in ``m_blk`` have no page in the pool ``[0, n_pages)`` (read as page 0)."""
+    if PAGED:
+        page = tl.load(p_btb + blk, mask=m_blk, other=0)
+        m_out = m_blk & ((page < 0) | (page >= n_pages))
+        return tl.where(m_out, 0, page), m_out
+    return blk, m_blk != m_blk
+
+
+@triton.jit
+def _leaf_keys(p_kh, o_id, s_kblk, s_kt, m_leaf, C: tl.constexpr, D: tl.constexpr):
+    """The keys ``[L * C, D]`` of the full leaf blocks at ``o_id [L]`` (``_block_ids``: pages or
+    blocks, ``s_kblk`` apart); leaves outside ``m_leaf`` are not loaded (zeros)."""
+    L: tl.constexpr = o_id.shape[0]
+    o_c = tl.arange(0, C)
+    o_d = tl.arange(0, D)
+    o_key = tl.reshape(o_id.to(tl.int64)[:, None] * s_kblk + o_c.to(tl.int64)[None, :] * s_kt,
+                       [L * C])
+    m_key = tl.reshape(m_leaf[:, None] & (o_c < C)[None, :], [L * C])
+    return tl.load(p_kh + o_key[:, None] + o_d[None, :], mask=m_key[:, None], other=0.)
+
+
+@triton.jit
+def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kblk, s_kt, scale,
+              C: tl.constexpr, G_BR: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+              WP: tl.constexpr, KS: tl.constexpr, PAGED: tl.constexpr, F32_PREC: tl.constexpr,
+              STAGES: tl.constexpr):
     """The leaf stage: exact LSE of the free children (``[1, cur - 2]``) of each of the ``n_rest``
     kept level-2 nodes ``b_rest [WP]``, then of each new forced parent (sink, previous,
     current); scores land in the candidate slots by index. ``STAGES - 1`` parents' keys are
-    loaded ahead of the one being scored. Returns the best ``KS`` packed keys, best first."""
+    loaded ahead of the one being scored (their pages, ``PAGED``, through ``p_btb``). Returns the
+    best ``KS`` packed keys, best first, and how many leaves read had no page in the pool."""
     NX: tl.constexpr = 2 * G_BR * WP
     o_w = tl.arange(0, WP)
     o_x, m_x = candidates(b_rest, n_rest, cur, cur, G_BR, 0, G_BR, G_BR, WP)
     m_free = m_x & (o_x >= 1) & (o_x <= cur - 2)
     o_c = tl.arange(0, G_BR)
     b_s = tl.zeros([NX], dtype=tl.float32)
+    n_out = tl.full([], 0, tl.int32)
     for j in tl.range(0, n_rest + 3, num_stages=STAGES):
         par_f, new_f = forced_parents(j - n_rest, cur, cur, G_BR, 0)
         kept = j < n_rest
         par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
         o_leaf = par * G_BR + o_c
         m_leaf = (kept | new_f) & (o_leaf >= 1) & (o_leaf <= cur - 2)
-        b_sj = tl.sum(leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
-                                      1, ROWS, C, C, D, D, 0, F32_PREC), axis=0)  # [G_BR]
+        o_id, m_out = _block_ids(p_btb, o_leaf, m_leaf, n_pages, PAGED)
+        n_out += tl.sum(m_out.to(tl.int32))
+        b_k = _leaf_keys(p_kh, o_id, s_kblk, s_kt, m_leaf & ~m_out, C, D)
+        b_sj = tl.sum(leaf_scores(b_q, m_row, b_k, scale, 1, ROWS, C, C, 0, F32_PREC),
+                      axis=0)  # [G_BR]
         m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, G_BR]
         b_s = tl.where(tl.max(m_hit.to(tl.int32), axis=1) > 0,
                        tl.sum(tl.where(m_hit, b_sj[None, :], 0.), axis=1), b_s)
-    return tl.topk(tl.where(m_free, pack(b_s, o_x), KEY_NONE), KS)  # best first
+    return tl.topk(tl.where(m_free, pack(b_s, o_x), KEY_NONE), KS), n_out  # best first
 
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
 # each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
 # 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
-@triton.jit(do_not_specialize=["T_max", "n_leaves", "n_walk"])
+@triton.jit(do_not_specialize=["T_max", "n_leaves", "n_walk", "n_pages", "n_slots"])
 def _decode_kernel(
-        p_q, p_k, p_v, p_sums, p_mins, p_maxs, p_seqlens, p_o, p_lse, p_idx,
-        T_max, n_leaves, n_walk, scale, scale_log2,
-        s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
+        p_q, p_k, p_v, p_sums, p_mins, p_maxs, p_seqlens, p_bt, p_bidx, p_o, p_lse, p_idx,
+        T_max, n_leaves, n_walk, n_pages, n_slots, scale, scale_log2,
+        s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kblk: tl.int64, s_kt, s_kh,
+        s_vb: tl.int64, s_vblk: tl.int64, s_vt, s_vh, s_btb: tl.int64,
         s_sb: tl.int64, s_sn, s_sh,
         s_ob: tl.int64, s_oh, s_os, s_lb: tl.int64, s_lh, s_ls, s_ib: tl.int64, s_ih,
         G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
         LOG_C: tl.constexpr, G_BR: tl.constexpr, LOG_G: tl.constexpr, W: tl.constexpr,
         WP: tl.constexpr, W2: tl.constexpr, WPL: tl.constexpr, BOUND: tl.constexpr,
-        KS: tl.constexpr, TOPK: tl.constexpr,
+        PAGED: tl.constexpr, SLOT_IDX: tl.constexpr, KS: tl.constexpr, TOPK: tl.constexpr,
         IN_BUDGET: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, KPS: tl.constexpr,
         WRITE_IDX: tl.constexpr, F32_PREC: tl.constexpr, CHILD_STAGES: tl.constexpr,
         LEAF_STAGES: tl.constexpr, ATTN_STAGES: tl.constexpr):
@@ -243,6 +282,12 @@ def _decode_kernel(
     loop over every ranked level; otherwise level 2 is ranked after the loop, into ``[WPL]``.
     ``BOUND`` (``scorer="bound"``) scores internal nodes by their children's key bounds
     ``p_maxs`` / ``p_mins`` (the layout and strides of ``p_sums``) instead of their means.
+    The sequence's pyramid is row ``i_c`` of ``p_sums`` (and bounds): its slot
+    ``p_bidx[i_b]`` with ``SLOT_IDX``, else ``i_b``. Its block ``i`` starts ``i * s_kblk``
+    (``s_vblk``) after row ``i_c`` of the contiguous cache, or with ``PAGED`` at page
+    ``p_bt[i_b, i]`` of the pool (``s_kblk``: the page stride; ``s_kb = s_vb = 0``). A slot
+    outside ``[0, n_slots)``, or a page read outside ``[0, n_pages)``, gives NaN rows like a bad
+    length (the slot, the page, read as 0).
     Writes ``o`` rows (``p_o`` at split ``i_s``: the final output, or an fp32 partial) and their
     natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending (``-1`` padded).
     """
@@ -251,20 +296,27 @@ def _decode_kernel(
     b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, ROWS, 1, D, D)
     seqlen_in = tl.load(p_seqlens + i_b)
     # a length outside [0, T_max] (caller-owned lengths are not checked on the host: that would
-    # sync) gives NaN rows, not a clamped, finite answer
+    # sync) gives NaN rows, not a clamped, finite answer; so does a slot outside the cache
     m_bad = (seqlen_in < 0) | (seqlen_in > T_max)
+    i_c = i_b
+    if SLOT_IDX:
+        i_c = tl.load(p_bidx + i_b)
+        m_bad |= (i_c < 0) | (i_c >= n_slots)
+        i_c = tl.where(m_bad, 0, i_c)
+    i_c = i_c.to(tl.int64)
     seqlen = tl.minimum(seqlen_in, T_max)
     t = seqlen - 1  # the query's position; -1 for an empty sequence (every key masked)
     cur = tl.maximum(t, 0) // C  # 0 for an empty sequence too: no free node at any level
-    p_kh = p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh
+    p_kh = p_k + i_c * s_kb + i_h * s_kh
+    p_btb = p_bt + i_b.to(tl.int64) * s_btb
     if BOUND:  # the children's key maxs and mins, with the query rows split by sign
-        p_sh = p_maxs + i_b.to(tl.int64) * s_sb + i_h * s_sh
-        p_lh = p_mins + i_b.to(tl.int64) * s_sb + i_h * s_sh
+        p_sh = p_maxs + i_c * s_sb + i_h * s_sh
+        p_lh = p_mins + i_c * s_sb + i_h * s_sh
         m_pos = b_q.to(tl.float32) * scale > 0
         b_qa = tl.where(m_pos, b_q, tl.zeros_like(b_q))
         b_qb = tl.where(m_pos, tl.zeros_like(b_q), b_q)
     else:
-        p_sh = p_sums + i_b.to(tl.int64) * s_sb + i_h * s_sh
+        p_sh = p_sums + i_c * s_sb + i_h * s_sh
         p_lh = p_sh
         b_qa = b_q
         b_qb = b_q
@@ -326,11 +378,13 @@ def _decode_kernel(
             b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WPL)
             b_leaf = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
             n_leaf = tl.minimum(tl.sum(m_x.to(tl.int32)), W2)
-        b_top = _leaf_top(b_q, m_row, b_leaf, n_leaf, cur, p_kh, s_kt, scale, C, G_BR, D, ROWS,
-                          WPL, KS, F32_PREC, LEAF_STAGES)
+        b_top, n_out = _leaf_top(b_q, m_row, b_leaf, n_leaf, cur, p_kh, p_btb, n_pages, s_kblk,
+                                 s_kt, scale, C, G_BR, D, ROWS, WPL, KS, PAGED, F32_PREC,
+                                 LEAF_STAGES)
     else:
-        b_top = _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, s_kt, scale, C, G_BR, D, ROWS,
-                          WP, KS, F32_PREC, LEAF_STAGES)
+        b_top, n_out = _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kblk,
+                                 s_kt, scale, C, G_BR, D, ROWS, WP, KS, PAGED, F32_PREC,
+                                 LEAF_STAGES)
 
     # The selected blocks, ascending; at most SLOTS entries are used.
     b_row, _ = selection_row(tl.full([1], 0, tl.int32) + cur, b_top[None, :],
@@ -341,18 +395,23 @@ def _decode_kernel(
         if i_s == 0:
             tl.store(p_idx + i_b * s_ib + i_h * s_ih + o_s, b_sel, mask=o_s < SLOTS)
 
-    # Attention over this split's share of the list (online softmax in base 2).
-    p_vh = p_v + i_b.to(tl.int64) * s_vb + i_h * s_vh
+    # Attention over this split's share of the list (online softmax in base 2). Every split
+    # looks up the pages of the whole list (one load), so all agree on a page outside the pool.
+    b_id, m_out = _block_ids(p_btb, b_sel, (b_sel >= 0) & (b_sel * C <= t), n_pages, PAGED)
+    m_bad |= (n_out + tl.sum(m_out.to(tl.int32))) > 0
+    b_att = tl.where(m_out, -1, b_sel)  # a block without a page is not read (the row is NaN)
+    p_vh = p_v + i_c * s_vb + i_h * s_vh
     o_t = tl.arange(0, C)
     b_m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([ROWS], dtype=tl.float32)
     b_acc = tl.zeros([ROWS, D], dtype=tl.float32)
     for j in tl.range(0, KPS, num_stages=ATTN_STAGES):
-        blk = tl.sum(tl.where(o_s == i_s * KPS + j, b_sel + 1, 0)) - 1
-        o_key = blk * C + o_t
-        m_key = (blk >= 0) & (o_key <= t)
-        b_k = load_rows(p_kh, o_key.to(tl.int64) * s_kt, m_key, D)
-        b_v = load_rows(p_vh, o_key.to(tl.int64) * s_vt, m_key, D)
+        m_j = o_s == i_s * KPS + j
+        blk = tl.sum(tl.where(m_j, b_att + 1, 0)) - 1
+        i_id = tl.sum(tl.where(m_j, b_id, 0)).to(tl.int64)
+        m_key = (blk >= 0) & (blk * C + o_t <= t)
+        b_k = load_rows(p_kh + i_id * s_kblk, o_t.to(tl.int64) * s_kt, m_key, D)
+        b_v = load_rows(p_vh + i_id * s_vblk, o_t.to(tl.int64) * s_vt, m_key, D)
         b_z = tl.where(m_key[None, :], dot_nt(b_q, b_k, F32_PREC) * scale_log2, float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_z, b_v, b_m, b_l, b_acc, F32_PREC)
 
@@ -477,6 +536,8 @@ def beam_widths(cfg: SelectConfig, n_leaves: int) -> tuple[int, int, int, int]:
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, *,
                   mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None,
+                  block_table: torch.Tensor | None = None,
+                  cache_batch_idx: torch.Tensor | None = None,
                   num_splits: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, return_block_idx: bool = False):
     """One decode step (selection and attention) with one fused Triton kernel (inputs checked by
@@ -485,16 +546,26 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Arguments:
         q: (batch, 1, nheads, headdim), fp16/bf16/fp32, the cache's dtype and device. The query
             of sequence ``b`` sits at position ``cache_seqlens[b] - 1``.
-        k_cache, v_cache: (batch, max_seqlen, nheads_k, headdim), last dim contiguous.
-        sums: (batch, N_total, nheads_k, headdim) fp32, the pyramid key sums of the cache
+        k_cache, v_cache: (slots, max_seqlen, nheads_k, headdim), or with ``block_table`` the
+            page pool (num_pages, block_size, nheads_k, headdim); last dim contiguous.
+        sums: (slots, N_total, nheads_k, headdim) fp32, the pyramid key sums of the cache
             (``pisa.ops.decode.kvcache`` layout, geometry of ``max_seqlen``).
         cache_seqlens: (batch,) int32, valid keys per sequence including the current token.
         cfg: resolved ``SelectConfig`` (``selector="pyramid"``, ``scorer`` "lse" or "bound",
             ``branching`` 2 or 4, ``block_size`` 16..128, ``beam >= 1``, any ``beam_leaf`` up to
             ``512 / g``). ``query_tile`` and ``tile_reduce`` play no part: one token.
-        mins, maxs: (batch, N_total, nheads_k, headdim) fp32, the cache's key bounds in the layout
+        mins, maxs: (slots, N_total, nheads_k, headdim) fp32, the cache's key bounds in the layout
             of ``sums`` (``+inf`` / ``-inf`` past each sequence); ``scorer="bound"`` needs them,
             the other scorers ignore them.
+        block_table: optional (batch, max_pages) int32, a paged cache: leaf ``i`` of sequence
+            ``b`` is page ``block_table[b, i]`` (``max_seqlen = max_pages * block_size``). The
+            kernel reads the entries of the blocks it loads (one load per scored parent's
+            leaves, one for the selected list); one outside ``[0, num_pages)`` gives NaN rows
+            (the table's values are checked on the host only where pages are allocated:
+            ``kvcache.check_block_table``).
+        cache_batch_idx: optional (batch,) int32: sequence ``b`` is slot ``cache_batch_idx[b]``
+            of ``sums`` and the bounds (and, contiguous, of ``k_cache, v_cache``); one outside
+            ``[0, slots)`` gives NaN rows. Default slot ``b``.
         num_splits: programs per (sequence, KV head) sharing the attention over the selected
             blocks (flash-decoding). Default: ``default_num_splits`` (fill the SMs once).
         num_warps: warps per program of the main kernel (a tuning knob; default 8).
@@ -515,8 +586,10 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps, num_stages)
     B, _, HQ, D = q.shape
-    T_max, HKV = k_cache.shape[1], k_cache.shape[2]
-    G, C, g = HQ // HKV, cfg.block_size, cfg.branching
+    HKV, C, g = k_cache.shape[2], cfg.block_size, cfg.branching
+    paged = block_table is not None
+    T_max = block_table.shape[1] * C if paged else k_cache.shape[1]
+    G = HQ // HKV
     offsets = level_offsets(T_max, C, g)
     n_levels, n_leaves = len(offsets) - 1, offsets[1]
     W, WP, W2, WPL = beam_widths(cfg, n_leaves)
@@ -552,14 +625,26 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     es = k_cache.element_size()
     stages = num_stages or _NUM_STAGES
+    # a block starts s_*blk after its sequence's first key (contiguous) or the pool (paged)
+    if paged:
+        k_strides = (0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        v_strides = (0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    else:
+        k_strides = (k_cache.stride(0), C * k_cache.stride(1), k_cache.stride(1),
+                     k_cache.stride(2))
+        v_strides = (v_cache.stride(0), C * v_cache.stride(1), v_cache.stride(1),
+                     v_cache.stride(2))
+    table = block_table if paged else cache_seqlens  # an unused pointer when contiguous
+    slot_idx = cache_batch_idx if cache_batch_idx is not None else cache_seqlens  # unused
     _decode_kernel[(B, HKV, splits)](
-        q, k_cache, v_cache, sums, mins, maxs, cache_seqlens, out, out_lse, block_idx,
-        T_max, n_leaves, max(n_levels - 2, 0), cfg.scale, cfg.scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3],
-        *v_cache.stride()[:3], sums.stride(0), sums.stride(1), sums.stride(2),
+        q, k_cache, v_cache, sums, mins, maxs, cache_seqlens, table, slot_idx, out, out_lse,
+        block_idx, T_max, n_leaves, max(n_levels - 2, 0), k_cache.shape[0], sums.shape[0],
+        cfg.scale, cfg.scale * LOG2E, q.stride(0), q.stride(1), q.stride(2), *k_strides,
+        *v_strides, table.stride(0), sums.stride(0), sums.stride(1), sums.stride(2),
         *o_strides, *l_strides, block_idx.stride(0), block_idx.stride(2),
         G=G, ROWS=max(pow2(G), _MIN_ROWS), D=D, C=C, LOG_C=C.bit_length() - 1, G_BR=g,
-        LOG_G=g.bit_length() - 1, W=W, WP=WP, W2=W2, WPL=WPL, BOUND=bound,
+        LOG_G=g.bit_length() - 1, W=W, WP=WP, W2=W2, WPL=WPL, BOUND=bound, PAGED=paged,
+        SLOT_IDX=cache_batch_idx is not None,
         KS=min(2 * g * WPL, pow2(cfg.topk)), TOPK=cfg.topk, IN_BUDGET=cfg.forced_in_budget,
         SLOTS=slots, SP=pow2(slots), KPS=kps, WRITE_IDX=return_block_idx,
         F32_PREC=F32_PRECISION,

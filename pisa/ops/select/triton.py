@@ -39,7 +39,7 @@ read. With ``sum`` / ``lse`` rows (``Qt * G`` a tile) a pair moves ``Qt * G * D`
 more than the parent's keys; those reductions are FLOP-bound anyway (the leaf products cost as
 much as the attention).
 
-``candidates``, ``forced_parents`` and ``leaf_key_scores`` are primitives the fused decode kernel
+``candidates``, ``forced_parents`` and ``leaf_scores`` are primitives the fused decode kernel
 (``pisa.ops.decode.triton``) reuses; ``rows_at``, ``mean_rows``, ``split_rows``,
 ``tile_token_scores`` and ``key_logits`` serve the flat scan (``select.flat``) too.
 
@@ -246,18 +246,6 @@ def leaf_scores(b_q, m_row, b_k, scale, BT: tl.constexpr, GP: tl.constexpr, C: t
                 CP: tl.constexpr, SCORER: tl.constexpr, F32_PREC: tl.constexpr):
     """``leaf_tile_scores`` of rows without residuals."""
     return leaf_tile_scores(b_q, b_q, m_row, b_k, scale, BT, GP, C, CP, SCORER, False, F32_PREC)
-
-
-@triton.jit
-def leaf_key_scores(b_q, m_row, p_kh, s_kt, o_leaf, m_leaf, scale,
-                    BT: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-                    DP: tl.constexpr, D: tl.constexpr, SCORER: tl.constexpr,
-                    F32_PREC: tl.constexpr):
-    """Exact scores ``[BT, L]`` of the full leaf blocks ``o_leaf [L]`` (siblings) for every token of
-    the tile, from their keys: one ``[L * C, D]`` load and one dot against all ``BT * G`` query
-    rows. Leaves outside ``m_leaf`` are not loaded and score garbage."""
-    b_k = leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C, CP, DP, D)
-    return leaf_scores(b_q, m_row, b_k, scale, BT, GP, C, CP, SCORER, F32_PREC)
 
 
 @triton.jit

@@ -101,3 +101,19 @@ def assert_matches(got, want, rtol):
     finite = torch.isfinite(wlse)
     assert torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse.double()[finite], wlse[finite], rtol=rtol, atol=rtol)
+
+
+def to_pages(k, v, block_size, seed=0, spare=3):
+    """The contiguous cache ``k, v [B, T, H, D]`` (``T`` a multiple of ``block_size``) as a page
+    pool of ``B * T / block_size + spare`` pages in shuffled order (spare pages hold NaN) and its
+    ``block_table [B, T / block_size]`` int32: ``(k_pool, v_pool, block_table)``."""
+    B, T, H, D = k.shape
+    n = T // block_size
+    perm = torch.randperm(B * n + spare, generator=torch.Generator().manual_seed(seed))
+    table = perm[:B * n].view(B, n).to(torch.int32)
+    pools = []
+    for x in (k, v):
+        pool = torch.full((B * n + spare, block_size, H, D), math.nan, dtype=x.dtype)
+        pool[table.flatten().long()] = x.reshape(B * n, block_size, H, D)
+        pools.append(pool)
+    return pools[0], pools[1], table
