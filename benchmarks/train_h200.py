@@ -35,7 +35,7 @@ from common import (CONFIGS, DTYPE, G_BR, Results, attn_tflops, dense_attention,
                     result_row, shape, time_ms)
 from pisa import pisa_attn, pisa_select
 from pisa.ops.select import tiles_to_tokens
-from pisa.ops.utils.config import SelectConfig
+from pisa.ops.utils.config import QUERY_TILE, SelectConfig
 
 ARMS = ("pisa", "pisa_qt1", "flat_mean", "flat_lse", "dense", "nsa")
 
@@ -45,9 +45,10 @@ def _arm_knobs(args, backend: str) -> dict:
     base = dict(block_size=args.block_size, topk=args.topk, branching=G_BR, backend=backend)
     given = ("beam", "beam_leaf", "scorer", "query_tile", "tile_reduce")
     new = {name: getattr(args, name) for name in given if getattr(args, name) is not None}
-    return {"pisa": {**base, **new}, "pisa_qt1": {**base, "beam": args.topk},
-            "flat_mean": {**base, "selector": "flat_mean"},
-            "flat_lse": {**base, "selector": "flat_lse"}}
+    per_token = dict(query_tile=1, beam=args.topk, beam_leaf=None, scorer="lse")
+    return {"pisa": {**base, **new}, "pisa_qt1": {**base, **per_token},
+            "flat_mean": {**base, "query_tile": 1, "selector": "flat_mean"},
+            "flat_lse": {**base, "query_tile": 1, "selector": "flat_lse"}}
 
 
 def _nsa(q, k, v, block_size: int, topk: int):
@@ -82,6 +83,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     HQ, HKV, D = CONFIGS[args.config]
+    QT_DEFAULT = min(QUERY_TILE, args.block_size)  # query_tile=None: the library's
     dev = args.device
     backend = pisa_backend(dev)
     arms = _arm_knobs(args, backend)
@@ -96,7 +98,8 @@ def main() -> None:
         be = dense_backend(dev) if impl == "dense" else "fla" if impl == "nsa" else backend
         beam = (knobs or {}).get("beam") or args.topk
         tiles = dict(query_tile=None, beam_leaf=None) if knobs is None else dict(
-            query_tile=knobs.get("query_tile", 1), beam_leaf=knobs.get("beam_leaf") or beam)
+            query_tile=knobs.get("query_tile") or QT_DEFAULT,
+            beam_leaf=knobs.get("beam_leaf") or beam)
         out.add(result_row(op, impl, be, T=T, ms=ms, peak_gb=peak,
                            **shape(HQ, HKV, D, K=args.topk, C=args.block_size,
                                    W=None if knobs is None else beam), **tiles, **extra))
@@ -124,7 +127,7 @@ def main() -> None:
     def kernels(T, impl, q, k, v, do, knobs):
         """The sparse attention kernels alone on the arm's selection."""
         idx, cnt = pisa_select(q, k, **knobs)
-        qt = knobs.get("query_tile", 1)
+        qt = knobs.get("query_tile") or QT_DEFAULT
         per_token = idx if qt == 1 else tiles_to_tokens(idx, cnt, T, T, qt)[0]
         keys = keys_attended(per_token, T, args.block_size)
         del per_token

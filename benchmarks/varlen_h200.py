@@ -28,7 +28,7 @@ import torch
 from common import (CONFIGS, DTYPE, G_BR, Results, fwd_bwd, peak_gb, pisa_backend, reset_peak,
                     result_row, shape, time_ms)
 from pisa import pisa_attn, pisa_attn_varlen
-from pisa.ops.utils.config import SelectConfig
+from pisa.ops.utils.config import QUERY_TILE, SelectConfig
 
 ARMS = ("varlen", "batch", "long")
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--doc-len", type=int, default=16384)
     ap.add_argument("--topk", type=int, default=SelectConfig.topk)
     ap.add_argument("--block-size", type=int, default=SelectConfig.block_size)
-    ap.add_argument("--query-tile", type=int, default=1)
+    ap.add_argument("--query-tile", type=int, default=None, help="default: the library's")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes, torch backend on the CPU (HQ=4, HKV=2, D=16, 4 x 96, C=16)")
@@ -53,8 +53,9 @@ def main() -> None:
         args.docs, args.doc_len, args.block_size, args.topk = 4, 96, 16, 4
     backend = pisa_backend(dev)
     n, L = args.docs, args.doc_len
+    tile = args.query_tile or min(QUERY_TILE, args.block_size)
     knobs = dict(block_size=args.block_size, topk=args.topk, branching=G_BR,
-                 query_tile=args.query_tile, backend=backend)
+                 query_tile=tile, backend=backend)
     saved = {name: x for name, x in knobs.items() if name != "backend"}
     out = Results(args.out, dev, docs=n, doc_len=L, knobs=saved)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -75,7 +76,7 @@ def main() -> None:
             with torch.no_grad() if op == "fwd" else torch.enable_grad():
                 ms = time_ms(fn, dev)
             out.add(result_row(op, arm, backend, T=T, ms=ms, peak_gb=peak_gb(dev), docs=n,
-                               doc_len=L, query_tile=args.query_tile,
+                               doc_len=L, query_tile=tile,
                                **dict(shape(HQ, HKV, D, K=args.topk, C=args.block_size, W=args.topk,
                                             dtype=str(dtype).removeprefix("torch.")), B=B)))
         out.save()

@@ -11,9 +11,9 @@ from .ops.decode import decode_step, prefill_with_cache
 from .ops.decode.kvcache import (check_batch_idx, check_block_table, check_cache,
                                  check_new_kv, check_seqlens, write_kv)
 from .ops.select import select
-from .ops.utils.config import (AUTO_CROSSOVER_T, SelectConfig, check_block_idx,
-                               check_block_idx_values, check_qk, n_query_tiles, resolve_backend,
-                               resolve_config)
+from .ops.utils.config import (AUTO_CROSSOVER_T, BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig,
+                               check_block_idx, check_block_idx_values, check_qk, n_query_tiles,
+                               resolve_backend, resolve_config)
 from .ops.utils.varlen import VarlenLayout, check_varlen, varlen_layout
 
 _C, _K, _G = SelectConfig.block_size, SelectConfig.topk, SelectConfig.branching
@@ -30,18 +30,20 @@ _SELECT_DOC = """
         cost time and raise recall against the exact flat scan.
     beam_leaf: int or None. Beam kept at the lowest internal level (whose children are the
         leaves), where a wider beam recovers most of the pyramid's misses (``PISA_SPEC.md`` §11).
-        Default None: ``beam``.
-    scorer: "lse" (default) | "mean" | "meanvar" | "bound". How an internal node is scored from
-        its children (and a leaf from its keys): count-weighted LogSumExp, mean logit (first
-        order, equals flat mean-pooled scoring), mean + variance/2 (second order), or the
-        LogSumExp of each child's upper bound ``sum_d max(q_d min_d, q_d max_d)`` over per-channel
-        key minima and maxima (a sharp key is not averaged away; leaves by their exact LSE).
-        Pyramid only.
-    query_tile: int. Tokens per query tile ``Qt``, a power of two in ``[1, block_size]``: the
-        tokens at absolute positions ``[i * Qt, (i + 1) * Qt)`` share one selection per KV head,
-        scored with all their query rows. Default 1 (per-token selection).
-    tile_reduce: "sum" (default) | "lse" | "qmean". How a tile's tokens score a candidate
-        together: the sum or the log-sum-exp of their scores, or the score of their mean query.
+        Default 32 (twice the default ``topk``); None: ``beam``.
+    scorer: "bound" (default) | "lse" | "mean" | "meanvar". How an internal node is scored from
+        its children (and a leaf from its keys): the LogSumExp of each child's upper bound
+        ``sum_d max(q_d min_d, q_d max_d)`` over per-channel key minima and maxima (a sharp key
+        is not averaged away; leaves by their exact LSE), count-weighted LogSumExp of the means,
+        mean logit (first order, equals flat mean-pooled scoring), or mean + variance/2 (second
+        order). Pyramid only.
+    query_tile: int or None. Tokens per query tile ``Qt``, a power of two in ``[1, block_size]``:
+        the tokens at absolute positions ``[i * Qt, (i + 1) * Qt)`` share one selection per KV
+        head. Default None: ``min(16, block_size)``. ``1`` is per-token selection (the most
+        precise, several times slower: ``docs/selection_v2.md``).
+    tile_reduce: "qmean" (default) | "sum" | "lse". How a tile's tokens score a candidate
+        together: the score of their per-head mean query (one row per head: the cheap one), or
+        the sum or the log-sum-exp of their per-token scores (every query row scored).
     selector: "pyramid" (default) | "flat_lse" | "flat_mean" | "auto". ``flat_lse`` scores every
         causal block by its exact LSE (the mass-optimal oracle, O(N^2)); ``flat_mean`` by the
         logit of its mean key (BSA/MoBA style); ``auto`` takes ``flat_lse`` below
@@ -72,11 +74,11 @@ def _empty_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk: int = _K,
-                branching: int = _G, beam: int | None = None, beam_leaf: int | None = None,
-                scorer: str = "lse", selector: str = "pyramid", forced_in_budget: bool = True,
-                scale: float | None = None, query_tile: int = 1, tile_reduce: str = "sum",
-                backend: str = "auto"):
-    """Select, per query tile (a token by default) and KV head, the key blocks it attends (no
+                branching: int = _G, beam: int | None = None, beam_leaf: int | None = BEAM_LEAF,
+                scorer: str = SCORER, selector: str = "pyramid", forced_in_budget: bool = True,
+                scale: float | None = None, query_tile: int | None = None,
+                tile_reduce: str = TILE_REDUCE, backend: str = "auto"):
+    """Select, per query tile (16 tokens by default) and KV head, the key blocks it attends (no
     gradient).
 
     Arguments:
@@ -109,11 +111,20 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
     return select(q, k, cfg, backend)
 
 
+def _given_tile(block_idx: torch.Tensor, q: torch.Tensor, query_tile: int) -> int:
+    """The query tile of a caller's selection: a row per token (``Tq`` rows) is always accepted
+    and read per token; otherwise ``query_tile`` (``check_block_idx`` then checks its rows)."""
+    per_token = isinstance(block_idx, torch.Tensor) and block_idx.dim() == 4 \
+        and block_idx.shape[1] == q.shape[1]
+    return 1 if per_token else query_tile
+
+
 def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = _C,
               topk: int = _K, branching: int = _G, beam: int | None = None,
-              beam_leaf: int | None = None, scorer: str = "lse", selector: str = "pyramid",
-              forced_in_budget: bool = True, scale: float | None = None, query_tile: int = 1,
-              tile_reduce: str = "sum", return_lse: bool = False,
+              beam_leaf: int | None = BEAM_LEAF, scorer: str = SCORER,
+              selector: str = "pyramid", forced_in_budget: bool = True,
+              scale: float | None = None, query_tile: int | None = None,
+              tile_reduce: str = TILE_REDUCE, return_lse: bool = False,
               block_idx: torch.Tensor | None = None, deterministic: bool = False,
               backend: str = "auto"):
     """PISA attention: pyramid block selection, then exact causal attention over those blocks.
@@ -127,8 +138,9 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     return_lse: bool. Also return the softmax log-normaliser, to merge with other partial
         attention results. Default False.
     block_idx: optional (batch, seqlen_q, nheads_k, S) int32 precomputed selection (ascending,
-        -1 padded) per token, or, with ``query_tile > 1``, (batch, n_tiles, nheads_k, S) per
-        query tile (``pisa_select``'s layout); skips the selection step. Its values are checked
+        -1 padded) per token (whatever ``query_tile``), or (batch, n_tiles, nheads_k, S) per
+        query tile of ``query_tile`` tokens (``pisa_select``'s layout at the same knobs); skips
+        the selection step. Its values are checked
         (ids in range, strictly ascending, causal, -1 only at the end; ``ValueError`` naming the
         first bad row): one reduction over it and one host sync per call.
     deterministic: bool. Make the backward bitwise reproducible (the Triton dK/dV pass then
@@ -150,15 +162,17 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    tile = cfg.query_tile
     if block_idx is not None:
-        check_block_idx(block_idx, q, k, cfg.block_size, cfg.query_tile)
+        tile = _given_tile(block_idx, q, tile)
+        check_block_idx(block_idx, q, k, cfg.block_size, tile)
     if _empty_batch(q):
         o, lse = _empty_attn(q, k, v)
     else:
         if block_idx is None:
             block_idx, _ = select(q.detach(), k.detach(), cfg, backend)
         o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend,
-                             deterministic, cfg.query_tile)
+                             deterministic, tile)
     return (o, lse) if return_lse else o
 
 
@@ -206,17 +220,22 @@ def _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg) -> VarlenLayout
 def _varlen_select(q, k, lay: VarlenLayout, cfg: SelectConfig, backend: str):
     """The selection of the layout row ``[1, rows, HKV, S]`` (global block ids), from the packed
     ``q``, ``k``."""
-    q_row, k_row = lay.rows(q.detach(), lay.pos_q), lay.rows(k.detach(), lay.pos_k)
+    if cfg.query_tile > 1 and cfg.tile_reduce == "qmean":  # partial tiles: their own mean
+        q_row = lay.mean_tile_rows(q.detach(), cfg.query_tile)
+    else:
+        q_row = lay.rows(q.detach(), lay.pos_q)
+    k_row = lay.rows(k.detach(), lay.pos_k)
     return select(q_row, k_row, cfg, backend, blk0=lay.blk0)
 
 
 def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                        block_size: int = _C, topk: int = _K, branching: int = _G,
-                       beam: int | None = None, beam_leaf: int | None = None,
-                       scorer: str = "lse", selector: str = "pyramid",
+                       beam: int | None = None, beam_leaf: int | None = BEAM_LEAF,
+                       scorer: str = SCORER, selector: str = "pyramid",
                        forced_in_budget: bool = True, scale: float | None = None,
-                       query_tile: int = 1, tile_reduce: str = "sum", backend: str = "auto"):
+                       query_tile: int | None = None, tile_reduce: str = TILE_REDUCE,
+                       backend: str = "auto"):
     """``pisa_select`` of packed sequences (no gradient): per query token and KV head, the blocks
     of its own sequence it attends.
     """ + _VARLEN_DOC + """
@@ -247,10 +266,12 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
 def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, block_size: int = _C, topk: int = _K,
-                     branching: int = _G, beam: int | None = None, beam_leaf: int | None = None,
-                     scorer: str = "lse", selector: str = "pyramid",
+                     branching: int = _G, beam: int | None = None,
+                     beam_leaf: int | None = BEAM_LEAF,
+                     scorer: str = SCORER, selector: str = "pyramid",
                      forced_in_budget: bool = True, scale: float | None = None,
-                     query_tile: int = 1, tile_reduce: str = "sum", return_lse: bool = False,
+                     query_tile: int | None = None, tile_reduce: str = TILE_REDUCE,
+                     return_lse: bool = False,
                      block_idx: torch.Tensor | None = None, deterministic: bool = False,
                      backend: str = "auto"):
     """``pisa_attn`` of packed sequences, modeled on ``flash_attn_varlen_func``: each sequence's
@@ -319,9 +340,10 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
                            block_table: torch.Tensor | None = None,
                            cache_batch_idx: torch.Tensor | list[int] | None = None,
                            topk: int = _K, beam: int | None = None, beam_leaf: int | None = None,
-                           scorer: str = "lse", selector: str = "pyramid",
+                           scorer: str = SelectConfig.scorer, selector: str = "pyramid",
                            forced_in_budget: bool = True, scale: float | None = None,
-                           query_tile: int = 1, tile_reduce: str = "sum",
+                           query_tile: int | None = SelectConfig.query_tile,
+                           tile_reduce: str = SelectConfig.tile_reduce,
                            return_lse: bool = False, backend: str = "auto"):
     """PISA attention of new queries against a ``PisaCache`` or ``PagedPisaCache`` (decode and
     chunked prefill), modeled on ``flash_attn_with_kvcache``: appends ``k_new, v_new`` (keys and
@@ -373,7 +395,9 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
             Checked like ``block_table`` (host: on CPU and in chunked prefill; a CUDA decode
             step gives NaN rows for a slot outside the cache).
         topk, beam, beam_leaf, scorer, selector, forced_in_budget, scale, query_tile,
-            tile_reduce: as in ``pisa_attn``; ``selector="auto"`` chooses by the cache's
+            tile_reduce: as in ``pisa_attn``, but the defaults are the per-token walk
+            (``scorer="lse"``, ``query_tile=1``: decode's measured bar,
+            ``docs/results_decode.md``); ``selector="auto"`` chooses by the cache's
             ``max_seqlen``. A decode step is always per token (``query_tile`` applies to chunked
             prefill only). ``scorer="bound"`` reads the cache's per-node key bounds, built on
             first use (one O(max_seqlen) pass and an allocation: not inside a CUDA-graph capture;

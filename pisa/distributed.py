@@ -52,8 +52,8 @@ import torch.distributed as dist
 from .ops.attn import sparse_attn
 from .ops.pyramid.torch_backend import leaf_summaries, pyramid_from_leaves
 from .ops.select import select
-from .ops.utils.config import (AUTO_CROSSOVER_T, SelectConfig, check_knobs, check_qk,
-                               resolve_backend, resolve_config)
+from .ops.utils.config import (AUTO_CROSSOVER_T, BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig,
+                               check_knobs, check_qk, resolve_backend, resolve_config)
 from .ops.utils.geometry import cdiv
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -524,9 +524,10 @@ def _setup(q, k, group, layout, backend, knobs):
 
 def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,
                    layout: str | ShardLayout = "zigzag", block_size: int = _C, topk: int = _K,
-                   branching: int = _G, beam: int | None = None, beam_leaf: int | None = None,
-                   scorer: str = "lse", selector: str = "pyramid", forced_in_budget: bool = True,
-                   scale: float | None = None, query_tile: int = 1, tile_reduce: str = "sum",
+                   branching: int = _G, beam: int | None = None, beam_leaf: int | None = BEAM_LEAF,
+                   scorer: str = SCORER, selector: str = "pyramid", forced_in_budget: bool = True,
+                   scale: float | None = None, query_tile: int | None = None,
+                   tile_reduce: str = TILE_REDUCE,
                    backend: str = "auto") -> torch.Tensor:
     """``pisa_select`` of a sequence sharded over ``group`` (a collective; arguments as in
     ``pisa_attn_cp``): this rank's rows of the global selection, ``block_idx (batch, rows_r,
@@ -544,9 +545,10 @@ def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,
 
 def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
                  layout: str | ShardLayout = "zigzag", block_size: int = _C, topk: int = _K,
-                 branching: int = _G, beam: int | None = None, beam_leaf: int | None = None,
-                 scorer: str = "lse", selector: str = "pyramid", forced_in_budget: bool = True,
-                 scale: float | None = None, query_tile: int = 1, tile_reduce: str = "sum",
+                 branching: int = _G, beam: int | None = None, beam_leaf: int | None = BEAM_LEAF,
+                 scorer: str = SCORER, selector: str = "pyramid", forced_in_budget: bool = True,
+                 scale: float | None = None, query_tile: int | None = None,
+                 tile_reduce: str = TILE_REDUCE,
                  return_lse: bool = False, deterministic: bool = False, backend: str = "auto"):
     """``pisa_attn`` of a sequence sharded over the ranks of ``group``: a collective, called by
     every rank with its shard and the same knobs. Equals ``pisa_attn`` of the whole sequence

@@ -42,15 +42,15 @@ except ImportError as e:  # transformers 4 has no CacheLayerMixin
 
 from ..api import pisa_attn, pisa_attn_varlen, pisa_attn_with_kvcache
 from ..cache import PisaCache
-from ..ops.utils.config import SelectConfig
+from ..ops.utils.config import BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig
 
 NAME = "pisa"
 # PISA knobs read from the model config as ``config.pisa_<name>`` (e.g. ``config.pisa_topk``).
 PISA_DEFAULTS = {"block_size": SelectConfig.block_size, "topk": SelectConfig.topk,
-                 "branching": SelectConfig.branching, "beam": None, "beam_leaf": None,
-                 "scorer": SelectConfig.scorer, "selector": SelectConfig.selector,
+                 "branching": SelectConfig.branching, "beam": None, "beam_leaf": BEAM_LEAF,
+                 "scorer": SCORER, "selector": SelectConfig.selector,
                  "forced_in_budget": SelectConfig.forced_in_budget,
-                 "query_tile": SelectConfig.query_tile, "tile_reduce": SelectConfig.tile_reduce,
+                 "query_tile": None, "tile_reduce": TILE_REDUCE,
                  "backend": "auto"}
 
 

@@ -423,14 +423,17 @@ class KernelConfig:
 
     The defaults are the best of ``benchmarks/tile_tune.py`` on the H200 (config A at 128K,
     ``tile_tune_h200_*.json``): dK/dV wants small steps at 4 warps (32 rows: 31 ms per token,
-    30 ms for 16-token tiles, against 52 / 54 ms at 64 rows and 8 warps)."""
+    30 ms for 16-token tiles, against 52 / 54 ms at 64 rows and 8 warps). The per-token forward
+    and dQ keep 64 rows: their programs walk the union of their tokens' selections, which the
+    sweep's shared selections do not grow (128-row dQ looked 15% faster there and made the
+    backward on real selections no faster, ``train_h200_qt1_128k_tuned.json``)."""
 
     fwd_rows: int = 64
     fwd_warps: int = 4
     fwd_stages: int = 2
-    dq_rows: int = 128
-    dq_warps: int = 8
-    dq_stages: int = 3
+    dq_rows: int = 64
+    dq_warps: int = 4
+    dq_stages: int = 2
     dkv_rows: int = 32
     dkv_warps: int = 4
     dkv_stages: int = 2

@@ -38,6 +38,16 @@ CHUNK_ELEMS = 1 << 24
 # Queries per group sharing one read of a block in the torch backends (``utils.csr.group_pairs``).
 PAIRS_PER_GROUP = 32
 
+# The selection defaults of the training / prefill entry points (``pisa_select``, ``pisa_attn``,
+# their varlen and context-parallel forms, ``PisaAttention``, the HF integration): selection v2,
+# chosen from the H200 timings and SmolLM2 quality in ``docs/selection_v2.md``. ``query_tile=None``
+# resolves to ``min(QUERY_TILE, block_size)``. Decode (``pisa_attn_with_kvcache``) and a
+# hand-made ``SelectConfig`` keep the per-token walk of the field defaults below.
+QUERY_TILE = 16
+SCORER = "bound"
+TILE_REDUCE = "qmean"
+BEAM_LEAF = 32  # 2 x the default topk; None: beam
+
 # resolved once at import: torch.compile cannot trace importlib inside pisa_attn
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -45,7 +55,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 @dataclass(frozen=True)
 class SelectConfig:
     """Resolved selection knobs (see ``pisa.pisa_select`` for their meaning). The field defaults
-    are the library's defaults: public signatures read them from here."""
+    are the per-token walk that decode keeps by default; the training / prefill entry points
+    default to ``QUERY_TILE``, ``SCORER``, ``TILE_REDUCE`` and ``BEAM_LEAF`` instead."""
 
     block_size: int = 64
     topk: int = 16
@@ -145,7 +156,7 @@ def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = Select
                 scorer: str = SelectConfig.scorer, selector: str = SelectConfig.selector,
                 forced_in_budget: bool = SelectConfig.forced_in_budget,
                 scale: float | None = None, backend: str = "torch",
-                query_tile: int = SelectConfig.query_tile, beam_leaf: int | None = None,
+                query_tile: int | None = SelectConfig.query_tile, beam_leaf: int | None = None,
                 tile_reduce: str = SelectConfig.tile_reduce) -> None:
     """Check the selection knobs without tensors (``resolve_config`` runs this first; objects made
     before their inputs exist, such as ``PisaAttention``, run it at construction): a
@@ -173,10 +184,11 @@ def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = Select
             _check_int(name, width)
             if width < 1:
                 raise ValueError(f"{name} must be a positive int or None, got {width!r}")
-    _check_int("query_tile", query_tile)
-    if query_tile < 1 or query_tile > block_size or query_tile & (query_tile - 1):
-        raise ValueError(f"query_tile must be a power of two in [1, block_size={block_size}] (a "
-                         f"tile lies inside one leaf block), got {query_tile!r}")
+    if query_tile is not None:  # None: min(QUERY_TILE, block_size), always valid
+        _check_int("query_tile", query_tile)
+        if query_tile < 1 or query_tile > block_size or query_tile & (query_tile - 1):
+            raise ValueError(f"query_tile must be a power of two in [1, block_size={block_size}] "
+                             f"(a tile lies inside one leaf block) or None, got {query_tile!r}")
     if tile_reduce not in TILE_REDUCES:
         raise ValueError(f"tile_reduce must be one of {TILE_REDUCES}, got {tile_reduce!r}")
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
@@ -211,11 +223,12 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
                    branching: int = SelectConfig.branching, beam: int | None = None,
                    scorer: str = SelectConfig.scorer, selector: str = SelectConfig.selector,
                    forced_in_budget: bool = SelectConfig.forced_in_budget,
-                   scale: float | None = None, query_tile: int = SelectConfig.query_tile,
+                   scale: float | None = None, query_tile: int | None = SelectConfig.query_tile,
                    beam_leaf: int | None = None,
                    tile_reduce: str = SelectConfig.tile_reduce) -> SelectConfig:
     """Check the selection knobs for the resolved ``backend`` and fill in defaults (``beam``:
-    ``topk``; ``scale``: ``D ** -0.5``; ``selector="auto"`` by ``k``'s length); raise
+    ``topk``; ``scale``: ``D ** -0.5``; ``query_tile``: ``min(QUERY_TILE, block_size)``;
+    ``selector="auto"`` by ``k``'s length); raise
     ``ValueError`` (or ``TypeError``, for a knob of the wrong type) naming the bad one.
     ``beam_leaf=None`` stays ``None``: it means ``beam`` (``SelectConfig.beam_at``), so that a
     config made with ``SelectConfig(beam=...)`` and a resolved one compare equal."""
@@ -225,6 +238,8 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
                 tile_reduce=tile_reduce)
     if beam is None:
         beam = topk
+    if query_tile is None:
+        query_tile = min(QUERY_TILE, block_size)
     if scale is None:
         scale = default_scale(q.shape[-1])
     if selector == "auto":

@@ -52,6 +52,22 @@ class VarlenLayout:
         out = x.new_zeros(self.length, *x.shape[1:])
         return out.index_copy(0, pos, x).unsqueeze(0)
 
+    def mean_tile_rows(self, q: torch.Tensor, query_tile: int) -> torch.Tensor:
+        """Packed queries ``q [total_q, HQ, D]`` as the layout row for a ``tile_reduce="qmean"``
+        selection of ``query_tile`` tokens: each query scaled by ``query_tile / n``, ``n`` the
+        queries of its tile. The selection averages a tile of the row over all its
+        ``query_tile`` positions, and the row's positions that hold no query (before a
+        sequence's first query, past its end) are zeros, so a tile a sequence fills in part
+        would otherwise score ``n / query_tile`` times its mean query, where the sequence alone
+        scores the mean of its ``n`` queries. Exact for full tiles (``n = query_tile``) and
+        ``n`` a power of two; device ops only."""
+        tile = self.pos_q // query_tile
+        n = torch.zeros(cdiv(self.length, query_tile), dtype=torch.float32, device=q.device)
+        n = n.index_add_(0, tile, torch.ones_like(tile, dtype=torch.float32))
+        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+        w = query_tile / n.index_select(0, tile).to(ct)
+        return self.rows((q.to(ct) * w[:, None, None]).to(q.dtype), self.pos_q)
+
 
 def _seq_of(cu: torch.Tensor, total: int) -> torch.Tensor:
     """The sequence of each of ``total`` packed tokens ``[total]`` int64 (empty sequences hold
