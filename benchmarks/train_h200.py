@@ -35,7 +35,7 @@ from common import (CONFIGS, DTYPE, G_BR, Results, attn_tflops, dense_attention,
                     result_row, shape, time_ms)
 from pisa import pisa_attn, pisa_select
 from pisa.ops.select import tiles_to_tokens
-from pisa.ops.utils.config import QUERY_TILE, SelectConfig
+from pisa.ops.utils.config import BEAM_LEAF, QUERY_TILE, SCORER, TILE_REDUCE, SelectConfig
 
 ARMS = ("pisa", "pisa_qt1", "flat_mean", "flat_lse", "dense", "nsa")
 
@@ -97,9 +97,11 @@ def main() -> None:
         """A result row; ``knobs`` (a selection arm's) fill the beam and tile columns."""
         be = dense_backend(dev) if impl == "dense" else "fla" if impl == "nsa" else backend
         beam = (knobs or {}).get("beam") or args.topk
+        # a knob the arm leaves out takes pisa_attn's default
         tiles = dict(query_tile=None, beam_leaf=None) if knobs is None else dict(
             query_tile=knobs.get("query_tile") or QT_DEFAULT,
-            beam_leaf=knobs.get("beam_leaf") or beam)
+            beam_leaf=knobs.get("beam_leaf", BEAM_LEAF) or beam,
+            scorer=knobs.get("scorer", SCORER), tile_reduce=knobs.get("tile_reduce", TILE_REDUCE))
         out.add(result_row(op, impl, be, T=T, ms=ms, peak_gb=peak,
                            **shape(HQ, HKV, D, K=args.topk, C=args.block_size,
                                    W=None if knobs is None else beam), **tiles, **extra))
