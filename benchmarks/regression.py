@@ -108,13 +108,18 @@ def _compare(ref: dict, out: dict) -> dict:
     return res
 
 
-def _measure(select_len: int, train_len: int, decode_len: int) -> dict:
-    """One checkout's times (ms) in this process: ``{"select", "fwdbwd", "decode",
-    "decode_eager"}``."""
+def _measure(select_len: int, train_len: int, decode_len: int, ops=OPS) -> dict:
+    """One checkout's times (ms) in this process of ``ops`` (of ``{"select", "fwdbwd", "decode",
+    "decode_eager"}``)."""
     import torch
     gen = torch.Generator(device="cuda").manual_seed(0)
-    out = {"select": _time_select(gen, select_len), "fwdbwd": _time_fwdbwd(gen, train_len)}
-    out["decode_eager"], out["decode"] = _time_decode(gen, decode_len)
+    out = {}
+    if "select" in ops:
+        out["select"] = _time_select(gen, select_len)
+    if "fwdbwd" in ops:
+        out["fwdbwd"] = _time_fwdbwd(gen, train_len)
+    if "decode" in ops or "decode_eager" in ops:
+        out["decode_eager"], out["decode"] = _time_decode(gen, decode_len)
     return out
 
 
@@ -127,6 +132,9 @@ def main() -> None:
     ap.add_argument("--decode-len", type=int, default=1 << 20)
     ap.add_argument("--compare-len", type=int, default=16384,
                     help="length of the outputs compared between the trees")
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS,
+                    help="what to time (decode alone: a decode bisect over many trees)")
+    ap.add_argument("--no-compare", action="store_true", help="skip the output comparison")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--save", type=Path, help=argparse.SUPPRESS)
@@ -136,7 +144,7 @@ def main() -> None:
         if args.save:
             import torch
             torch.save(_outputs(args.compare_len), args.save)
-        print(json.dumps(_measure(*lens)))
+        print(json.dumps(_measure(*lens, ops=args.ops)))
         return
     trees = dict(t.split("=", 1) for t in args.trees)
     times = {name: [] for name in trees}
@@ -147,8 +155,8 @@ def main() -> None:
             env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()))
             cmd = [sys.executable, __file__, "--child", "--select-len", str(lens[0]),
                    "--train-len", str(lens[1]), "--decode-len", str(lens[2]),
-                   "--compare-len", str(args.compare_len)]
-            if r == 0:
+                   "--compare-len", str(args.compare_len), "--ops", *args.ops]
+            if r == 0 and not args.no_compare:
                 cmd += ["--save", str(saves[name])]
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             times[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
@@ -159,6 +167,8 @@ def main() -> None:
     rows, med = [], {}
     for name, runs in times.items():
         for op, T in zip(OPS, lens + lens[-1:]):
+            if op not in runs[0]:
+                continue
             per_round = [run[op] for run in runs]
             med[name, op] = statistics.median(per_round)
             rows.append(result_row(op, "pisa", "triton", B=B, T=T, HQ=HQ, HKV=HKV, D=D, K=K,
@@ -166,10 +176,12 @@ def main() -> None:
                                    tree=name, round_ms=per_round))
     names = list(trees)
     import torch
-    ref = torch.load(saves[names[0]])
-    equivalence = {name: _compare(ref, torch.load(saves[name])) for name in names[1:]}
-    ratio = {op: med[names[-1], op] / med[names[0], op] for op in OPS} \
-        if len(names) > 1 else {}
+    equivalence = {}
+    if not args.no_compare:
+        ref = torch.load(saves[names[0]])
+        equivalence = {name: _compare(ref, torch.load(saves[name])) for name in names[1:]}
+    ratio = {op: med[names[-1], op] / med[names[0], op] for op in OPS
+             if (names[0], op) in med} if len(names) > 1 else {}
     info = meta("cuda", "python " + " ".join(sys.argv), trees=trees, ratio=ratio,
                 equivalence=equivalence, compare_len=args.compare_len)
     write_result(args.json, info, rows)
