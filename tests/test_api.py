@@ -5,6 +5,11 @@ import torch
 
 from pisa import pisa_attn, pisa_select
 from pisa.ops.attn.naive import naive_dense_attn
+from pisa.ops.utils.config import QUERY_TILE, n_query_tiles
+
+# The per-token selection (the knobs of ``pisa_attn_with_kvcache``'s defaults): the prefill side
+# of every "a decode row equals a prefill row" comparison, and the tests about per-token rows.
+PER_TOKEN = dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None)
 
 
 def _qkv(B=1, Tq=100, Tk=100, HQ=4, HKV=2, D=16, dtype=torch.float32, grad=False):
@@ -23,13 +28,46 @@ def test_queries_within_first_k_blocks_get_dense_causal_attention(rng):
 
 
 def test_decode_row_equals_prefill_row(rng):
-    """A single query at the end of the keys (decode) sees what prefill row T-1 sees."""
+    """A single query at the end of the keys (decode) sees what prefill row T-1 sees (per-token
+    selection: a query tile's row depends on the other tokens of its tile)."""
     q, k, v = _qkv(Tq=300, Tk=300, dtype=torch.float64)
-    kw = dict(block_size=8, topk=6, beam=4, backend="torch")
+    kw = dict(block_size=8, topk=6, beam=4, backend="torch", **PER_TOKEN)
     full = pisa_attn(q, k, v, **kw)
     for t in (0, 7, 150, 299):
         row = pisa_attn(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1], **kw)
         torch.testing.assert_close(row[:, 0], full[:, t], rtol=1e-12, atol=1e-12)
+
+
+def test_default_selection_is_16_token_qmean_bound_tiles(rng):
+    """The prefill defaults are selection v2: ``pisa_select`` gives a row per 16-token tile
+    (``min(16, block_size)``), scored by the bound scorer on the tile's mean query with a leaf
+    beam of 32; ``pisa_attn`` attends that selection, and still takes a per-token
+    ``block_idx`` (``Tq`` rows) at its default ``query_tile``."""
+    from pisa.ops.attn.naive import naive_attn
+    from pisa.ops.select import tiles_to_tokens
+    from pisa.ops.utils.config import BEAM_LEAF, SCORER, TILE_REDUCE
+    assert (QUERY_TILE, SCORER, TILE_REDUCE, BEAM_LEAF) == (16, "bound", "qmean", 32)
+    q, k, v = _qkv(Tq=150, Tk=200, dtype=torch.float64)
+    kw = dict(block_size=32, topk=4, beam=2, backend="torch")
+    idx, cnt = pisa_select(q, k, **kw)
+    assert idx.shape == (1, n_query_tiles(150, 200, 16), 2, 4)  # positions 50..199: tiles 3..12
+    explicit = pisa_select(q, k, query_tile=16, scorer="bound", tile_reduce="qmean",
+                           beam_leaf=32, **kw)
+    assert torch.equal(idx, explicit[0]) and torch.equal(cnt, explicit[1])
+    assert pisa_select(q, k, **dict(kw, block_size=8))[0].shape[1] == n_query_tiles(150, 200, 8)
+    per_tile_tokens, _ = tiles_to_tokens(idx, cnt, 150, 200, 16)
+    want = naive_attn(q, k, v, per_tile_tokens, 32, 16 ** -0.5)[0]
+    torch.testing.assert_close(pisa_attn(q, k, v, **kw), want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(pisa_attn(q, k, v, block_idx=idx, **kw), want, rtol=1e-10,
+                               atol=1e-10)
+    # a per-token selection at the default query_tile: read per token
+    tok, _ = pisa_select(q, k, **kw, **PER_TOKEN)
+    assert tok.shape == (1, 150, 2, 4)
+    torch.testing.assert_close(pisa_attn(q, k, v, block_idx=tok, **kw),
+                               naive_attn(q, k, v, tok, 32, 16 ** -0.5)[0], rtol=1e-10,
+                               atol=1e-10)
+    torch.testing.assert_close(pisa_attn(q, k, v, block_idx=tok, **kw),
+                               pisa_attn(q, k, v, **kw, **PER_TOKEN), rtol=1e-10, atol=1e-10)
 
 
 def test_naive_and_torch_backends_agree_through_the_api(rng):
@@ -43,9 +81,10 @@ def test_naive_and_torch_backends_agree_through_the_api(rng):
 
 
 def test_return_lse_and_precomputed_block_idx(rng):
+    """The default selection (8-token tiles at block_size=8) fed back to ``pisa_attn``."""
     q, k, v = _qkv(Tq=64, Tk=64, grad=True)
     idx, counts = pisa_select(q, k, block_size=8, topk=4, forced_in_budget=False)
-    assert idx.shape == (1, 64, 2, 7) and counts.shape == (1, 64, 2)
+    assert idx.shape == (1, 8, 2, 7) and counts.shape == (1, 8, 2)
     o, lse = pisa_attn(q, k, v, block_size=8, block_idx=idx, return_lse=True)
     assert lse.shape == (1, 4, 64) and lse.dtype == torch.float32
     o.sum().backward()
@@ -54,19 +93,19 @@ def test_return_lse_and_precomputed_block_idx(rng):
 
 @pytest.mark.parametrize("knobs", [dict(query_tile=4), dict(query_tile=8, tile_reduce="lse"),
                                    dict(query_tile=2, tile_reduce="qmean"),
-                                   dict(beam_leaf=6, scorer="bound")])
+                                   dict(beam_leaf=6, scorer="bound", query_tile=1),
+                                   dict(beam_leaf=6), dict()])
 def test_selection_v2_knobs_through_the_api(knobs, rng):
     """Tiles, the leaf beam and the bound scorer: the API's torch path equals the oracle, its
     attention equals the per-token attention over each token's tile row, and a tile's row is the
     selection of every token in it."""
     from pisa.ops.attn.naive import naive_attn
     from pisa.ops.select import tiles_to_tokens
-    from pisa.ops.utils.config import n_query_tiles
     q, k, v = _qkv(Tq=70, Tk=93, dtype=torch.float64)
     kw = dict(block_size=8, topk=5, beam=3, **knobs)
     i1, c1 = pisa_select(q, k, backend="naive", **kw)
     i2, c2 = pisa_select(q, k, backend="torch", **kw)
-    qt = knobs.get("query_tile", 1)
+    qt = knobs.get("query_tile", min(QUERY_TILE, 8))  # the default: 8-token tiles at C=8
     assert i2.shape[1] == n_query_tiles(70, 93, qt)
     assert torch.equal(i1, i2) and torch.equal(c1, c2)
     per_token, _ = tiles_to_tokens(i2, c2, 70, 93, qt)
@@ -133,6 +172,9 @@ def test_block_size_is_bounded_once_per_backend(backend, C, ok, rng):
     q, k, v = _qkv(Tq=16, Tk=16)
     if ok:
         idx, _ = pisa_select(q, k, block_size=C, topk=4, backend=backend)
+        # default tiles of min(16, C) tokens: 4 rows at C=4, one at C=256
+        assert idx.shape == (1, n_query_tiles(16, 16, min(QUERY_TILE, C)), 2, 4)
+        idx, _ = pisa_select(q, k, block_size=C, topk=4, backend=backend, **PER_TOKEN)
         assert idx.shape == (1, 16, 2, 4)
         return
     for call in (lambda: pisa_select(q, k, block_size=C, backend=backend),
@@ -153,17 +195,22 @@ def test_pisa_select_refuses_knobs_of_the_wrong_type(knobs):
 @pytest.mark.parametrize("backend", ["torch", "naive", "triton"])
 @pytest.mark.parametrize("B,Tq,Tk", [(0, 32, 32), (1, 0, 32), (0, 0, 0), (2, 0, 0)])
 @pytest.mark.parametrize("forced_in_budget", [True, False])
-def test_zero_size_batch_gives_empty_results(backend, B, Tq, Tk, forced_in_budget):
+@pytest.mark.parametrize("query_tile", [None, 1], ids=["tiles", "per_token"])
+def test_zero_size_batch_gives_empty_results(backend, B, Tq, Tk, forced_in_budget, query_tile):
     """``B = 0`` or ``Tq = 0``: empty outputs of the right shapes and dtypes, as torch ops give,
-    from selection, attention (with ``lse``) and its backward (zero gradients), on every
-    backend (the shortcut is in the public functions, before any kernel)."""
+    from selection (a row per 16-token tile by default, per token with ``query_tile=1``),
+    attention (with ``lse``) and its backward (zero gradients), on every backend (the shortcut
+    is in the public functions, before any kernel)."""
     HQ, HKV, D, K = 4, 2, 16, 4
     q, k, v = _qkv(B=B, Tq=Tq, Tk=Tk, HQ=HQ, HKV=HKV, D=D, grad=True)
-    kw = dict(block_size=16, topk=K, forced_in_budget=forced_in_budget, backend=backend)
+    kw = dict(block_size=16, topk=K, forced_in_budget=forced_in_budget, backend=backend,
+              query_tile=query_tile)
     slots = K if forced_in_budget else K + 3
+    rows = n_query_tiles(Tq, Tk, query_tile or QUERY_TILE)
+    assert rows == (Tq if query_tile == 1 else Tq // 16)
     idx, counts = pisa_select(q, k, **kw)
-    assert idx.shape == (B, Tq, HKV, slots) and idx.dtype == torch.int32
-    assert counts.shape == (B, Tq, HKV) and counts.dtype == torch.int32
+    assert idx.shape == (B, rows, HKV, slots) and idx.dtype == torch.int32
+    assert counts.shape == (B, rows, HKV) and counts.dtype == torch.int32
     o, lse = pisa_attn(q, k, v, return_lse=True, **kw)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == (B, HQ, Tq) and lse.dtype == torch.float32
@@ -234,8 +281,8 @@ def test_user_block_idx_values_are_checked(at, row, why, backend):
     """``pisa_attn(..., block_idx=...)`` checks the values, not only dtype and shape: a bad row
     is a ValueError naming block_idx and its (b, t, h), before any kernel runs."""
     q, k, v = _qkv(Tq=16, Tk=16)
-    idx, _ = pisa_select(q, k, block_size=4, topk=4)
-    pisa_attn(q, k, v, block_size=4, block_idx=idx, backend=backend)
+    idx, _ = pisa_select(q, k, block_size=4, topk=4, **PER_TOKEN)  # rows per token
+    pisa_attn(q, k, v, block_size=4, block_idx=idx, backend=backend)  # default tile: accepted
     idx[at] = torch.tensor(row, dtype=torch.int32)
     b, t, h = at
     with pytest.raises(ValueError, match=rf"block_idx\[{b}, {t}, {h}\] = .*expected ascending"):
@@ -247,7 +294,7 @@ def test_block_idx_check_traces_with_fullgraph(rng):
     selection still fails."""
     torch._dynamo.reset()
     q, k, v = _qkv(Tq=32, Tk=32)
-    idx, _ = pisa_select(q, k, block_size=8, topk=4)
+    idx, _ = pisa_select(q, k, block_size=8, topk=4, **PER_TOKEN)  # rows per token
     f = torch.compile(lambda *a: pisa_attn(*a[:3], block_size=8, block_idx=a[3]),
                       fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(q, k, v, idx), pisa_attn(q, k, v, block_size=8, block_idx=idx))
@@ -461,7 +508,7 @@ def test_kvcache_decode_with_v2_knobs_equals_prefill(backend, rng):
     the prefill rows of ``pisa_attn``."""
     from pisa import PisaCache, pisa_attn_with_kvcache
     q, k, v = _qkv(Tq=80, Tk=80, HQ=4, HKV=2, D=16)
-    kw = dict(topk=4, beam=2, beam_leaf=4, scorer="bound")
+    kw = dict(topk=4, beam=2, beam_leaf=4, scorer="bound", query_tile=1, tile_reduce="sum")
     full = pisa_attn(q, k, v, block_size=16, backend="torch", **kw)
     cache = PisaCache.from_prefill(k[:, :72], v[:, :72], block_size=16, max_seqlen=80)
     assert cache.mins is None

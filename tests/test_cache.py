@@ -6,6 +6,10 @@ from pisa.ops.pyramid import build_pyramid
 from pisa.ops.pyramid.torch_backend import build_pyramid_torch
 from pisa.ops.utils.geometry import level_offsets
 
+# ``pisa_attn_with_kvcache``'s defaults, the per-token walk: the knobs of the ``pisa_attn`` prefill
+# rows that decode and chunked prefill must reproduce (``pisa_attn`` defaults to 16-token tiles).
+PER_TOKEN = dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None)
+
 
 def _qkv(B, T, H, G, D, dtype=torch.float64, device="cpu"):
     q = torch.randn(B, T, H * G, D, dtype=dtype, device=device)
@@ -158,7 +162,7 @@ def test_token_by_token_decode_reproduces_prefill_rows(rng):
     row (early all-blocks rows and pruned ones) equals the prefill row of the full sequence."""
     B, T, H, G, D, C, K, W = 2, 160, 2, 2, 16, 8, 5, 2  # 20 leaves, 6 levels
     q, k, v = _qkv(B, T, H, G, D)
-    kw = dict(topk=K, beam=W, backend="torch")
+    kw = dict(topk=K, beam=W, backend="torch", **PER_TOKEN)
     cache = PisaCache.from_prefill(k[:, :37], v[:, :37], max_seqlen=T, seqlens=[0, 37],
                                    block_size=C)
     got = torch.full_like(q, float("nan"))
@@ -182,7 +186,7 @@ def test_token_by_token_decode_reproduces_prefill_rows(rng):
 def test_decode_through_the_naive_backend_equals_the_oracle_prefill(rng):
     B, T, H, G, D, C = 2, 50, 1, 2, 16, 4  # 13 leaves, 5 levels
     q, k, v = _qkv(B, T, H, G, D)
-    kw = dict(topk=4, beam=2, scorer="meanvar", backend="naive")
+    kw = dict(topk=4, beam=2, backend="naive", **dict(PER_TOKEN, scorer="meanvar"))
     cache = PisaCache(B, T, H, D, block_size=C, dtype=torch.float64)
     got = torch.cat([pisa_attn_with_kvcache(q[:, t:t + 1], cache, k[:, t:t + 1], v[:, t:t + 1],
                                             **kw) for t in range(T)], dim=1)
@@ -195,7 +199,7 @@ def test_chunked_prefill_in_random_chunks_equals_one_shot(start, rng):
     """Chunks of random sizes (1 = a decode step) against a cache: the rows of one prefill."""
     B, T, H, G, D, C = 2, 400, 2, 2, 16, 8  # 50 leaves, 7 levels
     q, k, v = _qkv(B, T, H, G, D)
-    kw = dict(topk=5, beam=2, backend="torch")
+    kw = dict(topk=5, beam=2, backend="torch", **PER_TOKEN)
     cache = PisaCache.from_prefill(k[:, :max(start)], v[:, :max(start)], max_seqlen=T,
                                    seqlens=start, block_size=C)
     got = torch.full_like(q, float("nan"))
@@ -280,7 +284,7 @@ def test_pisa_attn_with_kvcache_rejects_bad_input(over, exc, msg):
 def test_torch_decode_on_cuda_reproduces_prefill_rows(rng):
     B, T, H, G, D, C = 2, 300, 2, 4, 64, 16
     q, k, v = _qkv(B, T, H, G, D, device="cuda")
-    kw = dict(topk=6, beam=3, backend="torch")
+    kw = dict(topk=6, beam=3, backend="torch", **PER_TOKEN)
     cache = PisaCache.from_prefill(k[:, :100], v[:, :100], max_seqlen=T, block_size=C)
     got = torch.cat([pisa_attn_with_kvcache(q[:, t:t + 1], cache, k[:, t:t + 1], v[:, t:t + 1],
                                             **kw) for t in range(100, T)], dim=1)

@@ -3,6 +3,8 @@ spawned by ``torch.multiprocessing``, against single-process ``pisa_select`` / `
 the gathered sequence (fp64 torch backend: selections and forward outputs bitwise, dK / dV up to
 their summation order). One process group per test serves all its cases."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,10 +13,14 @@ import torch.multiprocessing as mp
 from pisa import PisaAttention, pisa_attn, pisa_select
 from pisa.distributed import (comm_bytes, pisa_attn_cp, pisa_select_cp, reset_comm_bytes, shard,
                               shard_positions, unshard, zigzag_ranges)
+from pisa.ops.utils.config import QUERY_TILE
 
 C = 8
-# (layout, T, contiguous shard lengths or None, HQ, HKV, knobs)
+PER_TOKEN = dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None)
+# (layout, T, contiguous shard lengths or None, HQ, HKV, knobs); without query_tile: the
+# defaults, 8-token (min(16, C)) qmean tiles with the bound scorer
 CASES_2 = [
+    ("zigzag", 300, None, 4, 2, dict(topk=5, beam=3, **PER_TOKEN)),
     ("zigzag", 300, None, 4, 2, dict(topk=5, beam=3)),
     ("contiguous", 203, [96, 107], 4, 1, dict(topk=5, beam=3)),  # ragged, GQA 4
     ("zigzag", 257, None, 2, 2, dict(topk=4, beam=2, scorer="bound", query_tile=4)),
@@ -24,6 +30,7 @@ CASES_2 = [
 ]
 CASES_4 = [
     ("zigzag", 330, None, 4, 2, dict(topk=5, beam=3)),
+    ("zigzag", 330, None, 4, 2, dict(topk=5, beam=3, **PER_TOKEN)),
     ("contiguous", 300, [64, 24, 136, 76], 2, 1, dict(topk=4, beam=2, query_tile=4)),
 ]
 
@@ -40,6 +47,10 @@ def _worker(rank: int, world: int, fn, store: str) -> None:
         fn()
     finally:
         dist.destroy_process_group()
+    # Leave without running the interpreter's teardown: gloo's threads, destroyed there, aborted
+    # about every other run ("terminate called without an active exception", SIGABRT) after
+    # every check had passed. A failure above still raises (mp.spawn reports it).
+    os._exit(0)
 
 
 def _inputs(T, HQ, HKV, seed=0):
@@ -59,7 +70,7 @@ def _check_cases(cases):
         q, k, v, do = _inputs(T, HQ, HKV)
         # selection: this rank's rows of the single-process one (per token or per tile)
         idx, _ = pisa_select(q, k, **kw)
-        qt = knobs.get("query_tile", 1)
+        qt = knobs.get("query_tile") or min(QUERY_TILE, C)
         ql, kl, vl = (shard(x, **cut) for x in (q, k, v))
         want = shard(idx, layout=layout, block_size=C // qt,
                      lengths=None if lengths is None else [n // qt for n in lengths[:-1]]

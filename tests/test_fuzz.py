@@ -64,9 +64,12 @@ class Case:
     seed: int
 
     def knobs(self) -> dict:
+        # per-token selection, explicitly: ``pisa_select`` defaults to 16-token tiles (a row per
+        # tile, not per token) and a leaf beam of 32, ``resolve_config`` to the per-token walk
         return dict(block_size=self.C, topk=self.K, branching=self.g, beam=self.W,
                     scorer=self.scorer, selector=self.selector,
-                    forced_in_budget=self.forced_in_budget, scale=self.scale)
+                    forced_in_budget=self.forced_in_budget, scale=self.scale, query_tile=1,
+                    tile_reduce="sum", beam_leaf=None)
 
     def inputs(self):
         gen = torch.Generator().manual_seed(self.seed)

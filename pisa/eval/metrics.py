@@ -9,7 +9,8 @@ import math
 import torch
 
 from ..api import pisa_attn, pisa_select
-from ..ops.utils.config import CHUNK_ELEMS, SelectConfig, default_scale
+from ..ops.select import tiles_to_tokens
+from ..ops.utils.config import CHUNK_ELEMS, QUERY_TILE, SelectConfig, default_scale
 
 
 def _forced_mask(block_idx: torch.Tensor, n_keys: int, block_size: int) -> torch.Tensor:
@@ -76,10 +77,13 @@ def output_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 class SelectionScorer:
     """Scores selections for one ``q [B, Tq, HQ, D]``, ``k [B, Tk, HKV, D]`` against the exact
     flat scan (``flat_lse``, the mass-optimal top-K): its selection and the dense LSE are computed
-    once. ``knobs`` are ``pisa_select`` keyword arguments (block_size, topk, branching, ...).
+    once. ``knobs`` are ``pisa_select`` keyword arguments (block_size, topk, branching, ...;
+    ``pisa_select``'s defaults select per 16-token tile). The oracle is per token
+    (``query_tile=1``) whatever the knobs.
 
     ``scorer(block_idx)`` -> ``{"recall", "mass", "mass_ratio"}``: recall@K of the oracle's free
-    blocks, the softmax mass the selection captures, and that mass over the oracle's.
+    blocks, the softmax mass the selection captures, and that mass over the oracle's; ``block_idx``
+    per token ``[B, Tq, HKV, S]`` (``select`` gives tile selections in that form).
     """
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, backend: str = "auto", **knobs):
@@ -88,13 +92,19 @@ class SelectionScorer:
         self.scale = knobs.pop("scale", None) or default_scale(q.shape[-1])
         self.knobs = knobs
         self.full = dense_lse(q, k, self.scale)
-        self.oracle = self.select("flat_lse")
+        self.oracle = self.select("flat_lse", query_tile=1)
         self.oracle_mass = self.mass(self.oracle)
 
     def select(self, selector: str, **overrides) -> torch.Tensor:
-        """``block_idx`` of ``selector`` with this scorer's knobs (``overrides`` on top)."""
-        return pisa_select(self.q, self.k, selector=selector, scale=self.scale,
-                           backend=self.backend, **(self.knobs | overrides))[0]
+        """``block_idx`` of ``selector`` with this scorer's knobs (``overrides`` on top), per
+        token ``[B, Tq, HKV, S]``: a tile selection's rows repeated for each token of the tile."""
+        knobs = self.knobs | overrides
+        idx, cnt = pisa_select(self.q, self.k, selector=selector, scale=self.scale,
+                               backend=self.backend, **knobs)
+        qt = knobs.get("query_tile") or min(QUERY_TILE, self.block_size)
+        if qt > 1:
+            idx = tiles_to_tokens(idx, cnt, self.q.shape[1], self.k.shape[1], qt)[0]
+        return idx
 
     def mass(self, block_idx: torch.Tensor) -> float:
         return captured_mass(self.q, self.k, block_idx, self.block_size, self.scale, self.full,

@@ -23,10 +23,13 @@ import torch
 
 from ..ops.utils.config import CHUNK_ELEMS, SelectConfig
 from ..ops.utils.geometry import cdiv
-from ..ops.select import tiles_to_tokens
 from .metrics import SelectionScorer
 
 FIELDS = ("model", "layer", "T", "selector", "K", "W", "recall", "mass", "mass_ratio")
+# The knobs every selector and arm starts from: the per-token walk (``pisa_select`` defaults to
+# 16-token tiles since selection v2; the beam sweep and the recorded arms, e.g. ``qt1_w16:beam=16``
+# in ``benchmarks/results/quality_recall_v2.json``, are on top of the per-token knobs).
+PER_TOKEN = dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None)
 
 
 @dataclass
@@ -81,7 +84,7 @@ class LayerQuality:
     def __init__(self, q: torch.Tensor, k: torch.Tensor, cfg: RecallConfig):
         self.cfg = cfg
         self.score = SelectionScorer(q, k, cfg.backend, block_size=cfg.block_size,
-                                     topk=cfg.topk, branching=cfg.branching)
+                                     topk=cfg.topk, branching=cfg.branching, **PER_TOKEN)
 
     def measure(self, selector: str, W: int | None = None,
                 generator: torch.Generator | None = None) -> dict:
@@ -100,14 +103,10 @@ class LayerQuality:
         return {"selector": selector, "W": W, **self.score(idx)}
 
     def measure_arm(self, name: str, knobs: dict) -> dict:
-        """The row of the pyramid at ``knobs`` (``pisa_select`` keywords; tile selections are
-        scored per token, each token with its tile's blocks), named ``name``."""
-        q, k = self.score.q, self.score.k
-        idx = self.score.select("pyramid", **knobs)
-        qt = knobs.get("query_tile", 1)
-        if qt > 1:
-            idx = tiles_to_tokens(idx, (idx >= 0).sum(-1, dtype=torch.int32), q.shape[1],
-                                  k.shape[1], qt)[0]
+        """The row of the pyramid at ``knobs`` (``pisa_select`` keywords on top of ``PER_TOKEN``;
+        tile selections are scored per token, each token with its tile's blocks), named
+        ``name``."""
+        idx = self.score.select("pyramid", **knobs)  # per token (tiles expanded)
         return {"selector": name, "W": knobs.get("beam", self.cfg.topk), **self.score(idx)}
 
 
@@ -276,7 +275,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--arms", nargs="+", default=None, metavar="NAME:KNOB=V,...",
-                   help="pisa_select knob sets to compare (e.g. 'qt16:query_tile=16,"
+                   help="pisa_select knob sets to compare, on top of the per-token walk "
+                        "(query_tile=1, scorer=lse, tile_reduce=sum; e.g. 'qt16:query_tile=16,"
                         "beam_leaf=32,tile_reduce=qmean'), measured with flat_mean instead of "
                         "the beam sweep")
     p.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")

@@ -58,7 +58,13 @@ def test_config_knobs_are_read_a_budget_of_every_block_equals_dense(rng):
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "pisa"])
 def test_decode_with_cache_equals_prefill_rows_past_k_blocks(rng, monkeypatch, cache_kind):
-    _, sparse = _pair()
+    """Decode (``pisa_attn`` over a DynamicCache, or ``pisa_attn_with_kvcache`` over a
+    PisaHFCache) reproduces the prefill logits. The integration passes the config's knobs to
+    both, and a decode step is per token: the prefill side must select per token too (a 16-token
+    tile's row depends on the tile's later tokens), so ``pisa_query_tile=1``; the rest are the
+    defaults (bound scorer, leaf beam 32), built lazily from the cache's keys in decode."""
+    _, sparse = _pair(query_tile=1)
+    assert pisa_hf.pisa_knobs(sparse.config)["scorer"] == "bound"
     ids = torch.randint(0, 128, (2, 2 * FITS + 8))
     prompt = FITS + 8
     cache = pisa_hf.PisaHFCache(sparse.config, ids.shape[1]) if cache_kind == "pisa" else None
@@ -205,7 +211,9 @@ def test_left_padded_generate_equals_documents_one_at_a_time(rng):
     mask = torch.zeros_like(ids)
     for i, d in enumerate(docs):
         ids[i, T - len(d):], mask[i, T - len(d):] = d, 1
-    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    # min_new_tokens: no early EOS (id 1, which random weights emit at times): a prompt that
+    # ends alone stops there, while in the batch it goes on padded, and the lengths differ
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         got = sparse.generate(ids, attention_mask=mask, **kw)[:, T:]
         for i, d in enumerate(docs):

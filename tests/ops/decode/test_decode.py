@@ -19,6 +19,10 @@ from pisa.ops.utils.config import SelectConfig
 from tests.ops.conftest import INTERPRET
 from tests.ops.decode.common import filled_cache, make_cache, oracle_rows, pyramid_sums
 
+# A decode step is per token: the prefill rows it must equal are those of the per-token walk
+# (``pisa_attn`` defaults to 16-token qmean bound tiles).
+PER_TOKEN = dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None)
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.usefixtures("fast_interpreter", "poison_outputs")
 
@@ -194,9 +198,9 @@ def test_decode_with_new_knobs_reproduces_prefill_rows(backend, rng):
     for beam_leaf, scorer in ((3, "lse"), (None, "bound"), (5, "bound"), (2, "bound")):
         W_ = 2 if beam_leaf == 2 else W  # beam_leaf narrower than beam
         cfg = SelectConfig(C, K, 2, W_, scorer, "pyramid", True, D ** -0.5, beam_leaf=beam_leaf)
-        want = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, beam_leaf=beam_leaf,
-                         scorer=scorer, backend="torch")
-        plain = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, backend="torch")
+        want = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, backend="torch",
+                         **dict(PER_TOKEN, scorer=scorer, beam_leaf=beam_leaf))
+        plain = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, backend="torch", **PER_TOKEN)
         cache = PisaCache.from_prefill(k[:, :max(start)], v[:, :max(start)], max_seqlen=T,
                                        seqlens=start, block_size=C, bounds=True)
         for _ in range(3):

@@ -13,6 +13,7 @@ import torch
 
 from pisa import pisa_attn, pisa_attn_varlen, pisa_select, pisa_select_varlen
 from pisa.ops.select import tiles_to_tokens
+from pisa.ops.utils.config import QUERY_TILE
 from pisa.ops.utils.varlen import varlen_layout
 from tests.ops.conftest import INTERPRET
 
@@ -28,7 +29,7 @@ KNOBS = [{}, {"selector": "flat_lse"}, {"selector": "flat_mean"}, {"scorer": "me
          {"scorer": "meanvar", "beam_leaf": 3}, {"scorer": "bound"}, {"branching": 4},
          {"branching": 3}, {"forced_in_budget": False}, {"query_tile": 4},
          {"query_tile": 8, "tile_reduce": "lse"}, {"query_tile": 4, "tile_reduce": "qmean"},
-         {"selector": "auto"}]
+         {"selector": "auto"}, {"query_tile": 1, "scorer": "lse", "tile_reduce": "sum"}]
 
 
 def _cu(lens):
@@ -69,6 +70,11 @@ def _attn_both(q, k, v, cu_q, cu_k, knobs, tol, ref_backend=None):
             torch.testing.assert_close(got[s].to(dev), want[0], **tol)
 
 
+def _tile(knobs):
+    """The query tile ``knobs`` resolve to (``pisa_select``'s default: ``min(16, block_size)``)."""
+    return knobs.get("query_tile") or min(QUERY_TILE, knobs["block_size"])
+
+
 def _knob_id(knobs):
     return ",".join(f"{a}={b}" for a, b in knobs.items()) or "default"
 
@@ -92,7 +98,8 @@ def test_triton_equals_each_sequence_alone(knobs, rng, poison_outputs, poison_em
     _attn_both(q, k, v, cu_q, cu_k, knobs, dict(rtol=2e-4, atol=2e-5), ref_backend="torch")
 
 
-@pytest.mark.parametrize("knobs", [{}, {"query_tile": 4}, {"selector": "flat_lse"}])
+@pytest.mark.parametrize("knobs", [{}, {"query_tile": 4}, {"selector": "flat_lse"},
+                                   {"query_tile": 1, "scorer": "lse", "tile_reduce": "sum"}])
 def test_select_equals_each_sequence_alone_and_feeds_attn(knobs, rng):
     q, k, v, cu_q, cu_k = _packed(torch.float64, "cpu")
     knobs = dict(block_size=C, topk=K, beam=2, backend="torch", **knobs)
@@ -103,11 +110,31 @@ def test_select_equals_each_sequence_alone_and_feeds_attn(knobs, rng):
             continue
         s = slice(int(cu_q[i]), int(cu_q[i + 1]))
         ri, ci = pisa_select(q[s][None], k[int(cu_k[i]):int(cu_k[i + 1])][None], **knobs)
-        ri, ci = tiles_to_tokens(ri, ci, lq[i], lk[i], knobs.get("query_tile", 1))
+        ri, ci = tiles_to_tokens(ri, ci, lq[i], lk[i], _tile(knobs))
         assert torch.equal(idx[s], ri[0]) and torch.equal(cnt[s], ci[0])
     o = pisa_attn_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), block_idx=idx, **knobs)
     torch.testing.assert_close(o, pisa_attn_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk),
                                                    **knobs))
+
+
+@pytest.mark.parametrize("qt", [2, 4, 16])
+def test_qmean_rows_average_each_tile_over_its_own_queries(qt):
+    """The layout row's zeros (before a sequence's first query, past its end) are no queries: a
+    ``qmean`` tile a sequence fills in part must average its own ``n`` queries, as the sequence
+    alone does, not shrink by ``n / qt`` (the selection of such tiles differed from
+    ``pisa_select`` on the sequence alone, e.g. the last 4 queries of a 116-key sequence with
+    16-token tiles)."""
+    q, k, _, cu_q, cu_k = _packed(torch.float64, "cpu")
+    lay = varlen_layout(cu_q, cu_k, q.shape[0], k.shape[0], max(LEN_K), C, 2)
+    row = lay.mean_tile_rows(q, qt)[0]
+    got = row.view(-1, qt, *q.shape[1:]).mean(1)
+    tile = lay.pos_q // qt
+    n = torch.bincount(tile, minlength=got.shape[0]).double()
+    want = torch.zeros_like(got).index_add_(0, tile, q) / n.clamp_min(1)[:, None, None]
+    assert (n[tile] < qt).any()  # partial tiles are there
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(lay.rows(q, lay.pos_q)[0][n.repeat_interleave(qt) == qt],
+                       row[n.repeat_interleave(qt) == qt])  # full tiles: unchanged
 
 
 def test_layout_keeps_sequences_apart_and_aligned():
@@ -176,7 +203,8 @@ def test_no_queries_gives_empty_outputs_and_zero_gradients():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("knobs", [{}, {"query_tile": 16}, {"selector": "flat_mean"}])
+@pytest.mark.parametrize("knobs", [{}, {"query_tile": 1, "scorer": "lse", "tile_reduce": "sum"},
+                                   {"selector": "flat_mean"}])
 def test_gpu_bf16_equals_each_sequence_alone(knobs, rng):
     """bf16 at real sizes: the varlen selection equals each sequence's on (nearly) every row, and
     attention over that selection equals ``pisa_attn`` per sequence given it (outputs, LSE,
@@ -191,7 +219,7 @@ def test_gpu_bf16_equals_each_sequence_alone(knobs, rng):
     for i in range(len(lens_q)):
         s = slice(int(cu_q[i]), int(cu_q[i + 1]))
         ri, ci = pisa_select(q[s][None], k[int(cu_k[i]):int(cu_k[i + 1])][None], **knobs)
-        ri, _ = tiles_to_tokens(ri, ci, lens_q[i], lens_k[i], knobs.get("query_tile", 1))
+        ri, _ = tiles_to_tokens(ri, ci, lens_q[i], lens_k[i], _tile(knobs))
         agree.append((idx[s] == ri[0]).all(-1).float().mean().item())
     assert min(agree) > 0.99, agree
     knobs.pop("query_tile", None)  # a per-token block_idx
