@@ -4,9 +4,11 @@ Keys and the query are Gaussian (the query's logits ``scale * q . k`` have std 1
 random position outside the forced blocks gets ``z`` added to its logit. A selector "hits" when
 the needle's block is among its K blocks. flat_lse scores every block exactly and finds it once
 ``z`` stands out of the block's noise; flat_mean scores block means, where the needle weighs
-``1 / C``; the pyramid walk prunes each level by LogSumExp over its children's mean keys, so at
-level ``l`` the needle weighs ``1 / (C * g^(l-2))`` of its child's summary: the deeper the walk
-(the longer the context for a fixed beam), the larger ``z`` must be to survive the coarse levels.
+``1 / C``; the first wave's walk (``pisa v1``) prunes each level by LogSumExp over its children's
+mean keys, so at level ``l`` the needle weighs ``1 / (C * g^(l-2))`` of its child's summary: the
+deeper the walk (the longer the context for a fixed beam), the larger ``z`` must be to survive the
+coarse levels. The default walk (``pisa``) ranks internal nodes by per-channel key bounds, which
+do not dilute the needle (``PISA_SPEC.md`` §11).
 This isolates the walk's pruning from training effects (see ``docs/quality.md``).
 
     python benchmarks/needle_walk.py --json benchmarks/results/needle_walk.json
@@ -26,8 +28,13 @@ from pisa.results import meta, write_result
 D, C, K = 64, 64, 16
 
 
+V1 = dict(scorer="lse", beam_leaf=None)  # the first wave's walk: LSE of means, one beam
+
+
 def _arms(beams):
-    return [(f"pisa W={w}", dict(selector="pyramid", beam=w)) for w in beams] + [
+    """``pisa`` at the library defaults (the bound scorer, ``beam_leaf=32``), the first wave's
+    walk at each beam, the flat selectors."""
+    return [("pisa", {})] + [(f"pisa v1 W={w}", dict(beam=w, **V1)) for w in beams] + [
         ("flat_mean", dict(selector="flat_mean")), ("flat_lse", dict(selector="flat_lse"))]
 
 

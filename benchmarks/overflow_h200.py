@@ -1,6 +1,6 @@
 """64-bit offsets: PISA on inputs whose element offsets pass 2**31, checked on sampled rows.
 
-Two cases, bf16 on one GPU, Triton backend:
+Two cases, bf16 on one GPU, Triton backend, the library's default selection (query tiles):
 
 - ``head_major_1M``: config A (HQ=64, HKV=4, D=128) at T = 1M with q, k, v head-major views
   (``torch.randn(B, H, T, D).transpose(1, 2)``, accepted by the checks): q's head stride is
@@ -28,6 +28,8 @@ import torch
 from common import C, K, command, meta, write_result
 
 from pisa import pisa_attn, pisa_select
+from pisa.ops.select import tiles_to_tokens
+from pisa.ops.utils.config import QUERY_TILE
 
 TOL = 2e-2  # bf16 kernel vs fp32 reference, relative L2
 
@@ -61,6 +63,14 @@ def _reference(q, k, v, do, block_idx, h_kv, tokens, scale):
     o = torch.einsum("ngk,nkd->ngd", p, vv[pos])
     (o * do[0, tokens, heads].float()).sum().backward()
     return o.detach(), qq.grad, kk.grad, vv.grad
+
+
+def _token_selection(q, k):
+    """The selection ``pisa_attn`` makes at the library defaults (query tiles), one row per
+    token ``[1, T, HKV, K]``: what the readable reference attends."""
+    T = q.shape[1]
+    idx, cnt = pisa_select(q.detach(), k.detach(), block_size=C, topk=K)
+    return tiles_to_tokens(idx, cnt, T, T, min(QUERY_TILE, C))[0]
 
 
 def _choosers(block_idx, h_kv, block):
@@ -110,7 +120,7 @@ def head_major_1m(gen, T):
     q, k, v = (_head_major(1, T, h, D, gen).requires_grad_() for h in (HQ, HKV, HKV))
     do = torch.randn(1, T, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     view = _run(q, k, v, do, True)
-    block_idx = pisa_select(q.detach(), k.detach(), block_size=C, topk=K)[0]
+    block_idx = _token_selection(q, k)
     rows = _check_rows("head_major_1M", q.detach(), k.detach(), v.detach(), do, view, block_idx,
                        [0, 3], gen, 48, 2)
     toks = _sampled_rows(gen, T, HKV, 256)
@@ -121,7 +131,7 @@ def head_major_1m(gen, T):
     del q, k, v
     gc.collect()
     cont = _run(qc, kc, vc, do, True)
-    idx_c = pisa_select(qc.detach(), kc.detach(), block_size=C, topk=K)[0]
+    idx_c = _token_selection(qc, kc)
     rows.append({"case": "head_major_1M", "what": "view vs contiguous copy",
                  "selection_equal": bool(torch.equal(block_idx, idx_c)),
                  "o_rows_equal": bool(torch.equal(o_s, cont[0][0, toks])),
@@ -138,7 +148,7 @@ def hkv64(gen, T):
     q, k, v = (_head_major(1, T, h, D, gen).requires_grad_() for h in (HQ, HKV, HKV))
     do = torch.randn(1, T, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     out = _run(q, k, v, do, False)
-    block_idx = pisa_select(q.detach(), k.detach(), block_size=C, topk=K)[0]
+    block_idx = _token_selection(q, k)
     return _check_rows("hkv64_512K", q.detach(), k.detach(), v.detach(), do, out, block_idx,
                        [0, 31, 63], gen, 48, 2)
 

@@ -4,7 +4,7 @@
     python benchmarks/select_kernel.py --lengths 32768 --beams 16 32 64            # beam trade-off
 
 Config A (PISA_SPEC.md §10): B=1, HQ=64, HKV=4, D=128, C=64, K=16, g=2, bf16, all queries
-(Tq = Tk). Times (``common.time_ms``) are of ``pisa_select`` (Triton) on random normal q/k, each
+(Tq = Tk), per-token selection at the first wave's knobs (``query_tile=1``, ``scorer="lse"``). Times (``common.time_ms``) are of ``pisa_select`` (Triton) on random normal q/k, each
 pyramid row (one per ``--beams`` width W) and ``flat_mean`` including the pyramid build, which the
 ``build`` row times alone (``pisa.ops.pyramid.build_pyramid``); ``flat_lse`` is the exact flat
 scan (~T^2, so only up to ``--flat-lse-max``). The pyramid row at the first beam carries
@@ -102,8 +102,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = args.device
     backend = pisa_backend(dev)
+    # per-token selection at the v1 knobs (selection v2's tiles: train_h200.py, select_profile.py)
     knobs = dict(block_size=args.block, topk=args.topk, branching=args.branching,
-                 backend=backend)
+                 query_tile=1, scorer="lse", beam_leaf=None, backend=backend)
     out = Results(args.json, dev)
     print(f"{'T':>7} {'selector':<10} {'W':>3} {'ms':>9} {'recall':>7} {'mass':>6} "
           f"{'NSA ms':>7}  breakdown (ms)", file=sys.stderr)

@@ -19,8 +19,9 @@ def test_hit_rates_separate_the_exact_scan_from_mean_pooling():
     # 32 blocks: beam 32 prunes nothing (= flat_lse); a needle of 8 logit units stands out of
     # any block for the exact scan, and weighs 8/64 (one noise std) in its block mean
     rates = nw.hit_rates(2048, 8.0, 40, [4, 32], gen, chunk=20)
-    assert rates["flat_lse"] == 1.0 and rates["pisa W=32"] == 1.0
-    assert rates["flat_mean"] < 0.9 and rates["pisa W=4"] < 1.0
+    assert rates["flat_lse"] == 1.0 and rates["pisa v1 W=32"] == 1.0
+    assert rates["flat_mean"] < 0.9 and rates["pisa v1 W=4"] < 1.0
+    assert rates["pisa"] == 1.0  # the defaults' beam_leaf=32 keeps all 16 level-2 nodes
     no_needle = nw.hit_rates(2048, 0.0, 40, [32], gen, chunk=20)  # K = 16 of ~29 free blocks
     assert 0.3 < no_needle["flat_lse"] < 0.8
 
