@@ -217,14 +217,12 @@ def _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg) -> VarlenLayout
                          cfg.block_size, cfg.branching)
 
 
-def _varlen_select(q, k, lay: VarlenLayout, cfg: SelectConfig, backend: str):
-    """The selection of the layout row ``[1, rows, HKV, S]`` (global block ids), from the packed
-    ``q``, ``k``."""
+def _varlen_select(q_row, k_row, lay: VarlenLayout, cfg: SelectConfig, backend: str):
+    """The selection ``[1, rows, HKV, S]`` (global block ids) of the layout rows ``q_row``,
+    ``k_row`` (``lay.rows``)."""
+    q_row, k_row = q_row.detach(), k_row.detach()
     if cfg.query_tile > 1 and cfg.tile_reduce == "qmean":  # partial tiles: their own mean
-        q_row = lay.mean_tile_rows(q.detach(), cfg.query_tile)
-    else:
-        q_row = lay.rows(q.detach(), lay.pos_q)
-    k_row = lay.rows(k.detach(), lay.pos_k)
+        q_row = lay.mean_tile_rows(q_row, cfg.query_tile)
     return select(q_row, k_row, cfg, backend, blk0=lay.blk0)
 
 
@@ -256,7 +254,7 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
         return (q.new_full((0, k.shape[1], cfg.slots), -1, dtype=torch.int32),
                 q.new_zeros((0, k.shape[1]), dtype=torch.int32))
     lay = _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg)
-    idx, cnt = _varlen_select(q, k, lay, cfg, backend)
+    idx, cnt = _varlen_select(lay.rows(q, lay.pos_q), lay.rows(k, lay.pos_k), lay, cfg, backend)
     rows = lay.pos_q // cfg.query_tile
     idx = idx[0].index_select(0, rows)
     idx = torch.where(idx >= 0, idx - lay.sink_q.to(torch.int32)[:, None, None], -1)
@@ -303,12 +301,14 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return (o[0], lse[0]) if return_lse else o[0]
     lay = _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg)
     tile = cfg.query_tile
+    # one copy of each into the row, differentiable, shared by the selection and the attention
+    q_row, k_row, v_row = lay.rows(q, lay.pos_q), lay.rows(k, lay.pos_k), lay.rows(v, lay.pos_k)
     if block_idx is None:
-        idx, _ = _varlen_select(q, k, lay, cfg, backend)
+        idx, _ = _varlen_select(q_row, k_row, lay, cfg, backend)
     else:
         idx, tile = _varlen_block_idx(block_idx, q, k, lay, max_seqlen_k), 1
-    o, lse = sparse_attn(lay.rows(q, lay.pos_q), lay.rows(k, lay.pos_k), lay.rows(v, lay.pos_k),
-                         idx, cfg.block_size, cfg.scale, backend, deterministic, tile)
+    o, lse = sparse_attn(q_row, k_row, v_row, idx, cfg.block_size, cfg.scale, backend,
+                         deterministic, tile)
     o, lse = o[0].index_select(0, lay.pos_q), lse[0].index_select(1, lay.pos_q)
     return (o, lse) if return_lse else o
 

@@ -52,21 +52,21 @@ class VarlenLayout:
         out = x.new_zeros(self.length, *x.shape[1:])
         return out.index_copy(0, pos, x).unsqueeze(0)
 
-    def mean_tile_rows(self, q: torch.Tensor, query_tile: int) -> torch.Tensor:
-        """Packed queries ``q [total_q, HQ, D]`` as the layout row for a ``tile_reduce="qmean"``
-        selection of ``query_tile`` tokens: each query scaled by ``query_tile / n``, ``n`` the
-        queries of its tile. The selection averages a tile of the row over all its
-        ``query_tile`` positions, and the row's positions that hold no query (before a
-        sequence's first query, past its end) are zeros, so a tile a sequence fills in part
-        would otherwise score ``n / query_tile`` times its mean query, where the sequence alone
-        scores the mean of its ``n`` queries. Exact for full tiles (``n = query_tile``) and
-        ``n`` a power of two; device ops only."""
+    def mean_tile_rows(self, q_row: torch.Tensor, query_tile: int) -> torch.Tensor:
+        """The layout row of queries ``q_row [1, length, HQ, D]`` (``rows``) as the selection of
+        ``tile_reduce="qmean"`` tiles of ``query_tile`` tokens must see it: each query scaled by
+        ``query_tile / n``, ``n`` the queries of its tile. The selection averages a tile of the
+        row over all its ``query_tile`` positions, and the row's positions that hold no query
+        (before a sequence's first query, past its end) are zeros, so a tile a sequence fills in
+        part would otherwise score ``n / query_tile`` times its mean query, where the sequence
+        alone scores the mean of its ``n`` queries. One elementwise pass in ``q_row``'s dtype
+        (exact for full tiles and ``n`` a power of two); device ops only."""
         tile = self.pos_q // query_tile
-        n = torch.zeros(cdiv(self.length, query_tile), dtype=torch.float32, device=q.device)
+        n = torch.zeros(cdiv(self.length, query_tile), dtype=torch.float32, device=q_row.device)
         n = n.index_add_(0, tile, torch.ones_like(tile, dtype=torch.float32))
-        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-        w = query_tile / n.index_select(0, tile).to(ct)
-        return self.rows((q.to(ct) * w[:, None, None]).to(q.dtype), self.pos_q)
+        ct = torch.float64 if q_row.dtype == torch.float64 else torch.float32
+        w = (query_tile / n.to(ct).clamp_min(1)).repeat_interleave(query_tile)[:self.length]
+        return q_row * w.to(q_row.dtype)[None, :, None, None]
 
 
 def _seq_of(cu: torch.Tensor, total: int) -> torch.Tensor:

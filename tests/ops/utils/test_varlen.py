@@ -126,7 +126,7 @@ def test_qmean_rows_average_each_tile_over_its_own_queries(qt):
     16-token tiles)."""
     q, k, _, cu_q, cu_k = _packed(torch.float64, "cpu")
     lay = varlen_layout(cu_q, cu_k, q.shape[0], k.shape[0], max(LEN_K), C, 2)
-    row = lay.mean_tile_rows(q, qt)[0]
+    row = lay.mean_tile_rows(lay.rows(q, lay.pos_q), qt)[0]
     got = row.view(-1, qt, *q.shape[1:]).mean(1)
     tile = lay.pos_q // qt
     n = torch.bincount(tile, minlength=got.shape[0]).double()
