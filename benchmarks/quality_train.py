@@ -25,7 +25,9 @@ Protocol
   task in ~3000 steps (``docs/quality.md``). While T <= K * C every block fits in the budget, so
   the sparse arms are dense there (``PisaAttention`` then runs SDPA): the "sparse" schedule is
   sparse from the first phase longer than K * C (2048 for K = 16).
-- Arms: dense; pisa at K = 8 and 16; flat_mean and flat_lse at K = 16 (C = 64, W = K). Schedules:
+- Arms (``pisa.eval.gpt.ARMS``): dense; pisa (the library defaults: selection v2) and pisa_qt1
+  (the first wave's per-token walk) at K = 8 and 16; flat_mean and flat_lse at K = 16 (C = 64,
+  W = K; per token). Schedules:
   "sparse" (sparse from step 0) and "warmup" (dense for the first ``--warmup-frac`` of the steps,
   then sparse; default 0.7, past the curriculum's start where every block fits the budget — a
   warm-up that ends inside it would equal the sparse run and is rejected). Dense rows carry
@@ -65,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from pisa.results import meta, write_result
-from pisa.eval.gpt import GPT, GPTConfig
+from pisa.eval.gpt import ARMS, GPT, GPTConfig
 from pisa.eval.tasks import TASKS, ByteCorpus, lm_eval_windows, lm_windows, make_task
 
 TRAIN_TASKS = ("lm",) + tuple(TASKS)
@@ -313,7 +315,7 @@ def evaluate(model: GPT, args, val_data: torch.Tensor, record: dict, out: Path, 
         record["eval_seconds"] = round(time.time() - t0, 2)
         print(f"# eval T={T} done at {record['eval_seconds']}s", file=log, flush=True)
         _write_atomic(out / f"{args.run}.json", record)
-    if args.arm == "pisa" and not eval_beams(model, args, record, base):
+    if args.arm.startswith("pisa") and not eval_beams(model, args, record, base):
         record["status"] = "beam eval cut by the deadline"
         return
     record["status"] = "done"
@@ -368,9 +370,9 @@ def _arm_spec(spec: str) -> tuple[str, int | None]:
     arm, _, k = spec.partition(":")
     if arm == "dense":
         return arm, None
-    if arm not in ("pisa", "flat_mean", "flat_lse") or not k.isdigit():
-        raise ValueError(f"arm spec must be 'dense' or '<pisa|flat_mean|flat_lse>:<K>', got "
-                         f"{spec!r}")
+    if arm not in ("pisa", "pisa_qt1", "flat_mean", "flat_lse") or not k.isdigit():
+        raise ValueError("arm spec must be 'dense' or '<pisa|pisa_qt1|flat_mean|flat_lse>:<K>', "
+                         f"got {spec!r}")
     return arm, int(k)
 
 
@@ -672,7 +674,7 @@ def parse_args(argv=None):
                     help="GPUs the runs are spread over (default: every visible one)")
     # one run
     ap.add_argument("--run", default="run", help="run name (file names)")
-    ap.add_argument("--arm", default="dense", choices=("dense", "pisa", "flat_mean", "flat_lse"))
+    ap.add_argument("--arm", default="dense", choices=tuple(ARMS))
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schedule", default="sparse", choices=SCHEDULES)

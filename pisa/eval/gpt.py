@@ -12,21 +12,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import PisaAttention
-from ..ops.utils.config import SelectConfig
+from ..ops.utils.config import BEAM_LEAF, SelectConfig
 from .tasks import VOCAB_SIZE
 
-# arm -> the selector ``pisa_attn`` runs (dense attends to every causal key with SDPA)
-ARMS = {"dense": None, "pisa": "pyramid", "flat_mean": "flat_mean", "flat_lse": "flat_lse"}
+# arm -> the selection knobs ``pisa_attn`` runs (dense attends to every causal key with SDPA):
+# "pisa" the library defaults (selection v2: 16-token tiles, bound scorer, beam_leaf = 2 K),
+# "pisa_qt1" the first wave's per-token walk, the flat selectors per token
+PER_TOKEN = dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None)
+ARMS = {"dense": None, "pisa": {}, "pisa_qt1": dict(PER_TOKEN),
+        "flat_mean": dict(selector="flat_mean", query_tile=1),
+        "flat_lse": dict(selector="flat_lse", query_tile=1)}
 
 
 @dataclass
 class GPTConfig:
     """Model shape and attention arm.
 
-    arm: "dense" | "pisa" | "flat_mean" | "flat_lse". The sparse arms attend ``topk`` blocks of
-        ``block_size`` keys per query (forced sink/previous/current blocks inside the budget);
-        "pisa" finds them with the pyramid walk at beam ``beam`` (default ``topk``), the flat arms
-        by scoring every causal block (mean key / exact LSE).
+    arm: "dense" | "pisa" | "pisa_qt1" | "flat_mean" | "flat_lse". The sparse arms attend
+        ``topk`` blocks of ``block_size`` keys per query (forced sink/previous/current blocks
+        inside the budget); "pisa" finds them with the library's default walk (query tiles,
+        bound scorer, ``beam_leaf=32``) at beam ``beam`` (default ``topk``), "pisa_qt1" with the
+        first wave's per-token walk (``PER_TOKEN``), the flat arms by scoring every causal block
+        per token (mean key / exact LSE).
     backend: ``pisa_attn`` backend ("auto": Triton on CUDA, torch on CPU).
     """
 
@@ -63,8 +70,8 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         sparse = {} if cfg.arm == "dense" else dict(
-            selector=ARMS[cfg.arm], topk=cfg.topk, block_size=cfg.block_size, beam=cfg.beam,
-            backend=cfg.backend)
+            topk=cfg.topk, block_size=cfg.block_size, beam=cfg.beam, backend=cfg.backend,
+            **ARMS[cfg.arm])
         self.attn_norm = nn.RMSNorm(cfg.width)
         self.attn = PisaAttention(cfg.width, cfg.heads, cfg.kv_heads, rope_theta=cfg.rope_theta,
                                   attn="dense" if cfg.arm == "dense" else "pisa", **sparse)
@@ -105,10 +112,14 @@ class GPT(nn.Module):
                 block.attn.attn = "pisa" if sparse else "dense"
 
     def set_beam(self, beam: int | None) -> None:
-        """The pisa arm's walk beam from now on (``None``: ``topk``); the other arms ignore it."""
-        if self.cfg.arm == "pisa":
+        """The pisa arms' walk beam from now on (``None``: ``topk``); the "pisa" arm's level-2
+        beam follows at twice it (its default ratio; ``None``: the default); the flat arms
+        ignore it."""
+        if self.cfg.arm.startswith("pisa"):
             for block in self.blocks:
                 block.attn.pisa_kwargs["beam"] = beam
+                if self.cfg.arm == "pisa":
+                    block.attn.pisa_kwargs["beam_leaf"] = BEAM_LEAF if beam is None else 2 * beam
 
     def set_context_parallel(self, group, layout: str = "zigzag") -> None:
         """Shard the sequence over the ranks of ``group`` from now on (``pisa.distributed``; the

@@ -92,15 +92,18 @@ def tiny_llama(vocab_size: int = 128, num_layers: int = 2, hidden_size: int = 64
 
 def set_arm(model, arm: str, **pisa_knobs) -> None:
     """Switch ``model`` to an attention arm of ``ARMS`` (``dense`` = sdpa; the others PISA with
-    that selector); ``pisa_knobs`` (block_size, topk, beam, backend...) go to the config."""
+    that arm's selection knobs, the rest at the integration's defaults); ``pisa_knobs``
+    (block_size, topk, beam, backend...) go to the config."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {tuple(ARMS)}, got {arm!r}")
-    selector = ARMS[arm]
-    if selector is not None:
-        model.config.pisa_selector = selector
+    knobs = ARMS[arm]
+    if knobs is not None:
+        # an earlier arm's knobs must not stay behind
+        for name in ("selector", "query_tile", "scorer", "tile_reduce", "beam_leaf"):
+            setattr(model.config, f"pisa_{name}", knobs.get(name, hf.PISA_DEFAULTS[name]))
     for name, value in pisa_knobs.items():
         setattr(model.config, f"pisa_{name}", value)
-    model.set_attn_implementation("sdpa" if selector is None else hf.NAME)
+    model.set_attn_implementation("sdpa" if knobs is None else hf.NAME)
 
 
 def _capture_forward(store: dict, layers):

@@ -12,7 +12,7 @@ def _pair(arm, **kw):
     return dense.eval(), sparse.eval()
 
 
-@pytest.mark.parametrize("arm", ["pisa", "flat_mean", "flat_lse"])
+@pytest.mark.parametrize("arm", ["pisa", "pisa_qt1", "flat_mean", "flat_lse"])
 def test_sparse_arm_is_dense_within_k_blocks_sparse_beyond_and_dense_when_switched(arm, rng):
     dense, sparse = _pair(arm)
     with torch.no_grad():
@@ -36,7 +36,7 @@ def test_tied_head_and_bad_arm():
 
 
 def test_a_beam_as_wide_as_the_blocks_walks_to_the_flat_lse_selection(rng):
-    _, pisa = _pair("pisa")
+    _, pisa = _pair("pisa_qt1")  # per token, as the flat arms select
     _, flat = _pair("flat_lse")
     flat.load_state_dict(pisa.state_dict())
     ids = torch.randint(0, 264, (2, 1024))  # 64 blocks: beam 4 prunes the walk, beam 64 not

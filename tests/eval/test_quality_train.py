@@ -47,7 +47,8 @@ def check_rows(rows, arms, lengths, steps):
     assert rows
     for r in rows:
         assert set(r) == ROW_KEYS
-        assert r["arm"] in ("dense", "pisa", "flat_mean", "flat_lse") and r["arm"] in arms
+        assert r["arm"] in arms and r["arm"] in ("dense", "pisa", "pisa_qt1", "flat_mean",
+                                                 "flat_lse")
         assert r["schedule"] in ("sparse", "warmup") and r["test_T"] in lengths
         assert r["metric"] == ("loss" if r["task"].startswith("lm") else "accuracy")
         assert math.isfinite(r["value"]) and r["steps"] == (steps or r["steps"]) > 0
@@ -60,20 +61,21 @@ def check_rows(rows, arms, lengths, steps):
 
 
 def check_beam_rows(result, beams, lengths):
-    """pisa runs: every task re-evaluated at each wider beam; other arms: none."""
+    """pisa runs (both walks): every task re-evaluated at each wider beam; other arms: none."""
     got = result["beam_rows"]
-    pisa = [r for r in result["rows"] if r["arm"] == "pisa" and r["metric"] == "accuracy"]
+    pisa = [r for r in result["rows"]
+            if r["arm"] in ("pisa", "pisa_qt1") and r["metric"] == "accuracy"]
     assert len(got) == len(beams) * len(pisa)
     for r in got:
-        assert set(r) == ROW_KEYS | {"W"} and r["arm"] == "pisa" and r["W"] in beams
+        assert set(r) == ROW_KEYS | {"W"} and r["arm"] in ("pisa", "pisa_qt1") and r["W"] in beams
         assert r["metric"] == "accuracy" and 0.0 <= r["value"] <= 1.0 and r["test_T"] in lengths
     assert {(r["task"], r["test_T"], r["seed"]) for r in got} == \
         {(r["task"], r["test_T"], r["seed"]) for r in pisa}
 
 
 @pytest.mark.parametrize("arm,schedule", [("dense", "sparse"), ("pisa", "sparse"),
-                                          ("pisa", "warmup"), ("flat_mean", "sparse"),
-                                          ("flat_lse", "sparse")])
+                                          ("pisa", "warmup"), ("pisa_qt1", "sparse"),
+                                          ("flat_mean", "sparse"), ("flat_lse", "sparse")])
 def test_every_arm_trains_and_evaluates(arm, schedule, site, tmp_path):
     threads = torch.get_num_threads()
     try:
