@@ -52,6 +52,8 @@ walk takes 150 registers a thread per token, 198 for ``qmean`` tiles, no spills)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -862,7 +864,28 @@ def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool):
     return torch.stack(split, dim=3)[:, :, :, 0], D, 2 * D
 
 
-def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts, blk0):
+@dataclass(frozen=True)
+class SelectKernelConfig:
+    """Launch knobs of the selection kernels (``benchmarks/select_tune.py`` sweeps them).
+    ``walk_stages`` / ``leaf_stages`` drop to 1 where 2 stages would pass 160 KB of shared
+    memory; ``leaf_rows`` (query rows a leaf-stage dot) shrinks where the ``[rows, g * C]`` fp32
+    accumulator would pass 16K elements (128 registers a thread at 4 warps); ``leaf_chunk``
+    query tokens share one leaf-stage grid row (``LEAF_CHUNK``)."""
+
+    walk_warps: int = 4
+    walk_stages: int = 2
+    leaf_warps: int = 4
+    leaf_stages: int = 2
+    leaf_rows: int = 128
+    leaf_chunk: int = LEAF_CHUNK
+    topk_warps: int = 4
+
+
+_KCFG = SelectKernelConfig()
+
+
+def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts, blk0,
+                   kcfg: SelectKernelConfig = _KCFG):
     """Walk -> (tile, level-2 parent) pair keys -> sort -> leaf scores per parent group ->
     per-tile top-K. Extra memory: ~24 bytes per slot (keys, sorted keys, pair ids,
     scores), ``S = WPL + 3`` slots per (tile, KV head), plus 4 bytes per possible group, plus
@@ -881,7 +904,7 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
     n_levels = pyramid.n_levels
     n_par = pyramid.offsets[2] - pyramid.offsets[1]  # level-2 nodes
     # Sort keys (and group ids) must fit int32; the chunk count is a grid dimension (<= 65535).
-    n_chunk = min(cdiv(n_tiles, max(1, LEAF_CHUNK // row_tokens)), 65535,
+    n_chunk = min(cdiv(n_tiles, max(1, kcfg.leaf_chunk // row_tokens)), 65535,
                   (2 ** 31 - 2) // (B * HKV * n_par))
     if n_chunk < 1:
         raise ValueError(f"Triton pyramid selection supports B * HKV * (level-2 nodes) < 2**31, "
@@ -918,7 +941,8 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
         C=C, G_BR=g, GBP=GBP, W=W, W2=W2, WP=WP, WPL=WPL, S=S,
         SCORER=SCORER_ID["lse" if bound else cfg.scorer], BOUND=bound, BO=BO, REDUCE=reduce_id,
         MEAN=mean, LO=LO, LO_R=LO_R, SLOT_NONE=slot_none, VARLEN=varlen, F32_PREC=F32_PRECISION,
-        num_warps=4, num_stages=2 if 2 * child_bytes <= 160_000 else 1)
+        num_warps=kcfg.walk_warps,
+        num_stages=kcfg.walk_stages if kcfg.walk_stages * child_bytes <= 160_000 else 1)
 
     pairs, start = sort_by_key(keys.view(-1), n_keys)  # group i: pairs[start[i]:start[i + 1]]
     scores = torch.empty(keys.numel(), GBP, dtype=torch.float32, device=q.device)
@@ -927,19 +951,21 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
     # dots; 2 stages of gathered queries when they fit shared memory beside the parent's keys
     # (fp32 at g = 3 asked for 256 KB with 128 rows, 2 stages).
     CP = max(C, cdiv(16, GBP))
-    rows_max = min(128, 16384 // (GBP * CP))
+    rows_max = min(kcfg.leaf_rows, 16384 // (GBP * CP))
     if row_tokens * pow2(G) <= rows_max:
         TB, PB = row_tokens, max(1, rows_max // (row_tokens * pow2(G)))
     else:
         TB, PB = max(1, rows_max // pow2(G)), 1
     GP = max(pow2(G), cdiv(16, PB * TB))
-    smem = (GBP * CP + 2 * PB * TB * GP * (2 if LO_R else 1)) * DP * k.element_size()
+    smem = (GBP * CP + kcfg.leaf_stages * PB * TB * GP * (2 if LO_R else 1)) * DP \
+        * k.element_size()
     _leaf_groups_kernel[(n_par, n_chunk, B * HKV)](
         rows, k, start, pairs, scores, Tq, Tk, n_tiles, tile0, HKV, n_chunk, n_par, cfg.scale,
         *s_rows, k.stride(0), k.stride(1), k.stride(2),
         PB=PB, TB=TB, NCH=cdiv(row_tokens, TB), QT=Qt, G=G, GP=GP, D=D, DP=DP, C=C, CP=CP,
         G_BR=g, GBP=GBP, S=S, SCORER=SCORER_ID[cfg.leaf_scorer], REDUCE=reduce_id, MEAN=mean,
-        LO_R=LO_R, F32_PREC=F32_PRECISION, num_warps=4, num_stages=2 if smem <= 160_000 else 1)
+        LO_R=LO_R, F32_PREC=F32_PRECISION, num_warps=kcfg.leaf_warps,
+        num_stages=kcfg.leaf_stages if smem <= 160_000 else 1)
 
     BT = 16
     SPP = pow2(S)
@@ -949,7 +975,7 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
         counts.stride(0), counts.stride(1),
         BT=BT, QT=Qt, C=C, G_BR=g, GBP=GBP, S=S, SPP=SPP, KS=min(SPP * GBP, pow2(cfg.topk)),
         TOPK=cfg.topk, SLOTS=cfg.slots, SP=pow2(cfg.slots), IN_BUDGET=cfg.forced_in_budget,
-        SLOT_NONE=slot_none, VARLEN=varlen, num_warps=4)
+        SLOT_NONE=slot_none, VARLEN=varlen, num_warps=kcfg.topk_warps)
 
 
 # ------------------------------------------------------------------------------------------------
