@@ -33,6 +33,7 @@ GRID = {
     "leaf": dict(leaf_warps=(4, 8), leaf_stages=(1, 2, 3), leaf_rows=(64, 128, 256)),
     "chunk": dict(leaf_chunk=(1024, 4096, 16384)),
     "topk": dict(topk_warps=(1, 2, 4, 8)),
+    "residuals": dict(residuals=(False,)),  # changes near-tie rankings: see ``same``
 }
 
 

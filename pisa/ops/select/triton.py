@@ -844,18 +844,21 @@ def beam_geometry(cfg: SelectConfig, n_keys: int):
     return W, W2, GBP, WP, WPL
 
 
-def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool):
+def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool, residuals: bool = True):
     """The node summaries the walk reads ``[B, N, HKV, D]`` and the kernels' ``LO`` and ``BO``
     (element offsets of the residuals and of the mins): the means, or for the bound scorer the
     maxs then the mins. Against 16-bit queries the fp32 summaries as their 16-bit head with its
     16-bit residual ``LO = D`` elements on (two exact-product dots, ~16 mantissa bits, so
-    near-equal nodes rank as in fp64), split once per call; fp32 queries read fp32 summaries."""
+    near-equal nodes rank as in fp64), split once per call, or (``residuals=False``) the heads
+    alone; fp32 queries read fp32 summaries."""
     D = pyramid.means.shape[-1]
     parts = [pyramid.maxs, pyramid.mins] if bound else [pyramid.means]
-    if q.dtype == torch.float32:
+    if q.dtype == torch.float32 or not residuals:
+        dtype = q.dtype if q.dtype != torch.float32 else torch.float32
         if not bound:
-            return pyramid.means, 0, 0
-        return torch.stack(parts, dim=3)[:, :, :, 0], 0, D  # [B, N, HKV, (max, min), D]
+            return pyramid.means.to(dtype), 0, 0
+        # [B, N, HKV, (max, min), D]
+        return torch.stack(parts, dim=3).to(dtype)[:, :, :, 0], 0, D
     split = []
     for x in parts:
         hi = x.to(q.dtype)
@@ -870,7 +873,10 @@ class SelectKernelConfig:
     ``walk_stages`` / ``leaf_stages`` drop to 1 where 2 stages would pass 160 KB of shared
     memory; ``leaf_rows`` (query rows a leaf-stage dot) shrinks where the ``[rows, g * C]`` fp32
     accumulator would pass 16K elements (128 registers a thread at 4 warps); ``leaf_chunk``
-    query tokens share one leaf-stage grid row (``LEAF_CHUNK``)."""
+    query tokens share one leaf-stage grid row (``LEAF_CHUNK``). ``residuals=False`` drops the
+    16-bit residuals of the node summaries and of ``qmean`` tiles' mean queries against 16-bit
+    inputs (half the bytes the walk and the leaf stage move, a third of the walk's products), so
+    near-equal candidates may rank otherwise than in fp32: not a pure launch knob."""
 
     walk_warps: int = 4
     walk_stages: int = 2
@@ -879,6 +885,7 @@ class SelectKernelConfig:
     leaf_rows: int = 128
     leaf_chunk: int = LEAF_CHUNK
     topk_warps: int = 4
+    residuals: bool = True
 
 
 _KCFG = SelectKernelConfig()
@@ -914,11 +921,11 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
     n_keys = B * HKV * n_chunk * n_par
     slot_none = torch.iinfo(torch.int32).max
     DP = max(16, pow2(D))
-    summaries, LO, BO = _walk_summaries(pyramid, q, bound)
+    summaries, LO, BO = _walk_summaries(pyramid, q, bound, kcfg.residuals)
     off = device_offsets(tuple(pyramid.offsets), q.device)
     rows, LO_R = q, 0
     if mean:  # written by the walk kernel, read by the leaf stage
-        parts = 1 if q.dtype == torch.float32 else 2
+        parts = 1 if q.dtype == torch.float32 or not kcfg.residuals else 2
         rows = torch.empty(B, n_tiles, HQ, parts, D, dtype=q.dtype, device=q.device)
         LO_R = D if parts == 2 else 0
     s_rows = (rows.stride(0), rows.stride(1), rows.stride(2))

@@ -173,3 +173,32 @@ def test_gpu_tile_lengths_compile_nothing(rng):
     for Tq, Tk in ((4160, 4160), (4500, 4500), (1001, 8193), (7777, 7777), (17, 9000)):
         call(Tq, Tk)
         assert triton_variants() == n, f"Tq={Tq}, Tk={Tk} compiled new variants"
+
+
+@pytest.mark.parametrize("scorer", ["bound", "lse"])
+def test_without_residuals_selections_stay_valid_and_close(scorer):
+    """``SelectKernelConfig(residuals=False)`` (16-bit summaries and mean queries, no residuals):
+    every row is still a valid selection with the default's counts, and all but near-tied rows
+    equal the default's (the knob only rounds the internal scores)."""
+    from dataclasses import replace
+    T, HKV, G, D, C = 300, 2, 4, 16, 8
+    q, k = inputs(1, T, T, HKV, G, D, F16, seed=3)
+    q, k = q.to(DEVICE), k.to(DEVICE)
+    cfg = _cfg(C, 6, 2, 2, 4, scorer, 4, "qmean", D=D)
+    pyramid = build_pyramid_torch(k.float(), C, 2, cfg.uses_bounds)
+    n = n_query_tiles(T, T, 4)
+
+    def run(kcfg):
+        idx = torch.full((1, n, HKV, cfg.slots), -7, dtype=torch.int32, device=DEVICE)
+        cnt = torch.full((1, n, HKV), -7, dtype=torch.int32, device=DEVICE)
+        select_triton._launch_select(q, k, cfg, pyramid, idx, cnt, None, kcfg)
+        return idx, cnt
+
+    want = run(select_triton.SelectKernelConfig())
+    got = run(replace(select_triton.SelectKernelConfig(), residuals=False))
+    assert torch.equal(got[1], want[1])
+    idx = got[0].cpu()
+    valid = idx >= 0
+    assert (valid.sum(-1) == got[1].cpu()).all() and (idx[..., 1:][valid[..., 1:]]
+                                                      > idx[..., :-1][valid[..., 1:]]).all()
+    assert rows_equal(got, want) >= 0.9
