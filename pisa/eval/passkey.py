@@ -5,6 +5,9 @@ loaded model switched between them (``pisa.eval.model.set_arm``), so only the at
 
 - passkey retrieval: a random 5-digit number hidden at a relative depth of repetitive filler text
   and asked for at the end; accuracy of greedy decoding (prefill and decode both through the arm).
+  With ``--keys N > 1`` (multi-key), ``N`` doors each get their own key (the others at random
+  depths) and the question names one door: the arm must tell the asked key from ``N - 1``
+  look-alikes (task ``passkey_multi``).
 - language modelling on held-out documents (``pisa.eval.corpus``; the documents after the ones
   ``pisa eval recall`` reads first): perplexity, and the share of positions whose argmax
   next token equals the dense model's, over all tokens and over the tokens past ``K * C`` (the
@@ -32,6 +35,11 @@ FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is"
+# multi-key: a needle per door, the question about the first one
+DOORS = ("red", "blue", "green", "amber", "violet", "silver", "orange", "white", "black", "gold",
+         "pink", "grey", "brown", "purple", "yellow", "cyan")
+DOOR_NEEDLE = "The pass key of the {door} door is {key}. Remember it. "
+DOOR_QUESTION = "What is the pass key of the {door} door? The pass key of the {door} door is"
 # Documents of the corpus that ``pisa eval recall`` reads first; the LM measurement skips them.
 HELD_OUT_SKIP = 8
 LM_CHUNK = 1024  # positions per lm_head call: the full [T, vocab] logits would be GBs at 8K
@@ -48,22 +56,37 @@ class PasskeyConfig:
     beam: int | None = None
     backend: str = "auto"
     new_tokens: int = 8
+    keys: int = 1                      # needles per prompt (> 1: multi-key, one asked)
     seed: int = 0
     log: object = field(default=sys.stderr, repr=False)
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> torch.Tensor:
+def passkey_prompt(tokenizer, length: int, depth: float, key: int,
+                   others: tuple[tuple[float, int], ...] = ()) -> torch.Tensor:
     """``ids [1, T]`` with ``T <= length``: filler sentences with the needle holding ``key`` after
-    a ``depth`` share of them, then the question."""
+    a ``depth`` share of them, then the question. ``others`` ``(depth, key)`` pairs make it
+    multi-key: every needle names its door (``DOORS``: the asked one first, then one per other
+    key) and the question asks for the first door's key."""
     def enc(text):
         return tokenizer(text, add_special_tokens=False).input_ids
-    filler, needle, question = enc(FILLER), enc(NEEDLE.format(key=key)), enc(QUESTION)
-    n = (length - len(needle) - len(question)) // len(filler)
+    if others:
+        if len(others) >= len(DOORS):
+            raise ValueError(f"at most {len(DOORS)} keys a prompt, got {len(others) + 1}")
+        needles = [(d, enc(DOOR_NEEDLE.format(door=DOORS[i], key=k)))
+                   for i, (d, k) in enumerate(((depth, key),) + tuple(others))]
+        question = enc(DOOR_QUESTION.format(door=DOORS[0]))
+    else:
+        needles, question = [(depth, enc(NEEDLE.format(key=key)))], enc(QUESTION)
+    filler = enc(FILLER)
+    n = (length - sum(len(x) for _, x in needles) - len(question)) // len(filler)
     if n < 1:
         raise ValueError(f"length {length} is too short for a passkey prompt")
-    at = round(depth * n)
-    ids = filler * at + needle + filler * (n - at) + question
-    return torch.tensor([ids])
+    ids, done = [], 0
+    for d, needle in sorted(needles, key=lambda x: x[0]):  # stable: the asked one first on ties
+        at = round(d * n)
+        ids += filler * (at - done) + needle
+        done = at
+    return torch.tensor([ids + filler * (n - done) + question])
 
 
 def passkey_rows(model, tokenizer, cfg: PasskeyConfig, model_name: str) -> list[dict]:
@@ -76,8 +99,14 @@ def passkey_rows(model, tokenizer, cfg: PasskeyConfig, model_name: str) -> list[
         gen = torch.Generator().manual_seed(cfg.seed + T)  # keys do not depend on other lengths
         for depth in cfg.depths:
             keys = torch.randint(10000, 100000, (cfg.samples,), generator=gen).tolist()
-            # prompt and answer stay within T (SmolLM2's trained context is 8192)
-            prompts = [passkey_prompt(tokenizer, T - cfg.new_tokens, depth, key) for key in keys]
+            # look-alike keys at random depths (multi-key); prompt and answer stay within T
+            # (SmolLM2's trained context is 8192)
+            others = [tuple(zip(torch.rand(cfg.keys - 1, generator=gen).tolist(),
+                                torch.randint(10000, 100000, (cfg.keys - 1,),
+                                              generator=gen).tolist()))
+                      if cfg.keys > 1 else () for _ in keys]
+            prompts = [passkey_prompt(tokenizer, T - cfg.new_tokens, depth, key, o)
+                       for key, o in zip(keys, others)]
             for arm in cfg.arms:
                 set_arm(model, arm, **_knobs(cfg))
                 hits = 0
@@ -93,8 +122,9 @@ def passkey_rows(model, tokenizer, cfg: PasskeyConfig, model_name: str) -> list[
                     print(f"[passkey] T={ids.shape[1]} depth={depth} {arm}: key {key} answer "
                           f"{answer.strip()!r} ({time.perf_counter() - t0:.1f} s)",
                           file=cfg.log, flush=True)
-                rows.append(_row(model_name, "passkey", arm, T, cfg, "accuracy",
-                                 hits / cfg.samples, depth=depth))
+                rows.append(_row(model_name, "passkey_multi" if cfg.keys > 1 else "passkey",
+                                 arm, T, cfg, "accuracy", hits / cfg.samples, depth=depth,
+                                 keys=cfg.keys))
     return rows
 
 
@@ -155,10 +185,10 @@ def _knobs(cfg: PasskeyConfig) -> dict:
             "backend": cfg.backend}
 
 
-def _row(model_name, task, arm, T, cfg, metric, value, depth=None) -> dict:
+def _row(model_name, task, arm, T, cfg, metric, value, depth=None, **extra) -> dict:
     return {"model": model_name, "task": task, "arm": arm, "T": T, "depth": depth,
             "K": cfg.topk, "C": cfg.block_size, "W": cfg.beam or cfg.topk,
-            "samples": cfg.samples, "metric": metric, "value": value}
+            "samples": cfg.samples, "metric": metric, "value": value, **extra}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -187,6 +217,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=16, help="blocks per query K")
     p.add_argument("--block-size", type=int, default=64, help="leaf block size C")
     p.add_argument("--beam", type=int, default=None, help="beam width W (default K)")
+    p.add_argument("--keys", type=int, default=1,
+                   help="needles per prompt; > 1: multi-key (one door's key asked)")
     p.add_argument("--no-lm", action="store_true", help="skip the perplexity / agreement part")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
@@ -198,6 +230,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     ``ValueError("argument --flag: ...")``."""
     if any(not 0 <= d <= 1 for d in args.depths):
         raise ValueError(f"argument --depths: every depth must be in [0, 1], got {args.depths}")
+    if not 1 <= args.keys <= len(DOORS):
+        raise ValueError(f"argument --keys: must be in [1, {len(DOORS)}], got {args.keys}")
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
@@ -207,9 +241,11 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
 
     cfg = PasskeyConfig(lengths=args.lengths, depths=args.depths, samples=args.samples,
                         arms=args.arms, topk=args.topk, block_size=args.block_size,
-                        beam=args.beam, backend=args.backend)
+                        beam=args.beam, backend=args.backend, keys=args.keys)
     model, tokenizer, info = start_eval("passkey", args.device, argv)
     info.update(filler=FILLER, needle=NEEDLE, question=QUESTION)
+    if cfg.keys > 1:
+        info.update(needle=DOOR_NEEDLE, question=DOOR_QUESTION, doors=DOORS[:cfg.keys])
     rows = []
     for T in cfg.lengths:
         rows += passkey_rows(model, tokenizer, replace(cfg, lengths=[T]), SMOLLM2_ROW)

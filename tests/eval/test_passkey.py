@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pisa.eval.passkey import NEEDLE, QUESTION, PasskeyConfig, passkey_prompt, passkey_rows
+from pisa.eval.passkey import (DOOR_NEEDLE, DOOR_QUESTION, DOORS, NEEDLE, QUESTION,
+                               PasskeyConfig, passkey_prompt, passkey_rows)
 
 from .common import needs_smollm2
 
@@ -52,6 +53,26 @@ def test_prompt_hides_the_key_at_depth_and_asks_at_the_end(depth):
     assert abs(at - depth) < 0.1
     with pytest.raises(ValueError, match="too short"):
         passkey_prompt(tok, 50, 0.5, 12345)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_multi_key_prompt_names_every_door_and_asks_for_the_first(depth):
+    tok = CharTokenizer()
+    others = ((0.9, 22222), (0.1, 33333), (depth, 44444))  # one tie with the asked depth
+    text = tok.decode(passkey_prompt(tok, 2000, depth, 11111, others)[0])
+    assert text.endswith(DOOR_QUESTION.format(door=DOORS[0]))
+    for door, key in zip(DOORS, (11111, 22222, 33333, 44444)):
+        assert text.count(str(key)) == 1 and DOOR_NEEDLE.format(door=door, key=key) in text
+    at = text.index(DOOR_NEEDLE.format(door=DOORS[0], key=11111)) / len(text)
+    assert abs(at - depth) < 0.1
+    assert text.index("11111") < text.index("44444")  # on a tie the asked needle comes first
+
+
+def test_multi_key_rows_are_their_own_task():
+    cfg = PasskeyConfig(lengths=[400], depths=[0.5], samples=2, keys=3, arms=["dense"])
+    rows = passkey_rows(Parrot(), CharTokenizer(), cfg, "parrot")
+    assert [(r["task"], r["keys"]) for r in rows] == [("passkey_multi", 3)]
+    assert 0.0 <= rows[0]["value"] <= 1.0
 
 
 def test_passkey_scores_answers_per_arm_and_depth():
