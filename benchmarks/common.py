@@ -22,8 +22,11 @@ this puts the repository root on ``sys.path``, so ``pisa`` imports from an unins
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 if importlib.util.find_spec("pisa") is None:  # not installed, not on PYTHONPATH: this checkout's
@@ -35,7 +38,7 @@ from pisa.bench import (dense_attention, dense_decode, keys_attended, peak_gb,  
                         reset_peak, time_ms)
 from pisa.results import default_device, meta, result_row, write_result  # noqa: E402
 
-__all__ = ["time_ms", "graph_ms", "graph_warm_ms", "cuda_graph", "dense_attention",
+__all__ = ["knob_sweep", "time_ms", "graph_ms", "graph_warm_ms", "cuda_graph", "dense_attention",
            "dense_backend", "pisa_backend", "dense_decode", "keys_attended", "peak_gb",
            "reset_peak", "default_device", "meta", "result_row", "write_result", "command", "shape",
            "randn_qkv", "fwd_bwd", "attn_tflops", "Results", "CONFIGS", "DTYPE", "BATCH", "HQ",
@@ -101,6 +104,24 @@ def attn_tflops(ms: float, T: int, keys_per_token: float, HQ: int = HQ, D: int =
     ``4 * HQ * D`` FLOPs per (query, key) (``QK^T`` and ``PV``) times ``passes`` (1 for the
     forward, 2.5 for the backward, 3.5 for forward + backward), over ``ms``."""
     return passes * 4 * HQ * D * keys_per_token * T / ms / 1e9
+
+
+def knob_sweep(grid: dict, base, call, device: str, deadline: float):
+    """Every setting of ``grid`` (knob -> values: their product) applied to the frozen dataclass
+    ``base``: yields ``(setting, cfg, ms)``, ``ms`` = ``time_ms`` of ``call(cfg)``, until
+    ``time.time()`` passes ``deadline``. A setting that does not compile (registers, shared
+    memory) is printed and skipped."""
+    for values in itertools.product(*grid.values()):
+        if time.time() > deadline:
+            return
+        setting = dict(zip(grid, values))
+        cfg = replace(base, **setting)
+        try:
+            ms = time_ms(lambda: call(cfg), device)
+        except Exception as e:
+            print(f"{setting}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        yield setting, cfg, ms
 
 
 def cuda_graph(fn) -> torch.cuda.CUDAGraph:

@@ -15,14 +15,12 @@ a GPU it runs on the CPU under ``TRITON_INTERPRET=1`` (a check that it runs, at 
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from common import C, D, HKV, HQ, K, G_BR, Results, randn_qkv, result_row, shape, time_ms
+from common import C, D, HKV, HQ, K, G_BR, Results, knob_sweep, randn_qkv, result_row, shape
 from pisa.ops.pyramid import build_pyramid
 from pisa.ops.select import triton as kern
 from pisa.ops.utils.config import (BEAM_LEAF, QUERY_TILE, SCORER, TILE_REDUCE, SelectConfig,
@@ -67,19 +65,9 @@ def main():
     knobs = dict(query_tile=cfg.query_tile, scorer=cfg.scorer, tile_reduce=cfg.tile_reduce,
                  beam_leaf=cfg.beam_at(2))
     out = Results(args.json, dev, T=T, **knobs)
-    t_start = time.time()
+    deadline = time.time() + args.budget
     for group in args.groups:
-        grid = GRID[group]
-        for values in itertools.product(*grid.values()):
-            if time.time() - t_start > args.budget:
-                break
-            setting = dict(zip(grid, values))
-            kcfg = replace(base, **setting)
-            try:
-                ms = time_ms(lambda: run(kcfg), dev)
-            except Exception as e:  # a setting that does not compile (registers, shared memory)
-                print(f"{group} {setting}: {type(e).__name__}: {str(e)[:120]}")
-                continue
+        for setting, kcfg, ms in knob_sweep(GRID[group], base, run, dev, deadline):
             same = float((run(kcfg) == want).all(-1).float().mean())
             print(f"{group} {setting}: {ms:.2f} ms (same rows {same:.4f})", flush=True)
             out.add(result_row("select_kernels", "pisa", "triton", T=T, ms=ms,

@@ -13,16 +13,14 @@ seconds stops the sweep early (what finished is written).
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from attn_kernel import random_selection
-from common import (C, D, HKV, HQ, K, Results, attn_tflops, keys_attended, randn_qkv,
-                    result_row, shape, time_ms)
+from common import (C, D, HKV, HQ, K, Results, attn_tflops, keys_attended, knob_sweep,
+                    randn_qkv, result_row, shape)
 from pisa.ops.attn import triton as kern
 
 # in forward passes (2 products of one QK^T's size each): dQ recomputes S and dP and forms dQ
@@ -75,19 +73,10 @@ def main():
     delta = kern._delta(o, do, None)
     out = Results(args.json, "cuda", query_tile=qt, share=args.share or qt, T=T,
                   keys_per_token=keys)
-    t_start = time.time()
+    deadline = time.time() + args.budget
     for name in args.kernels:
-        knobs = (GRID_TOKEN if qt == 1 else GRID)[name]
-        for values in itertools.product(*knobs.values()):
-            if time.time() - t_start > args.budget:
-                break
-            setting = dict(zip(knobs, values))
-            cfg = replace(base, **setting)
-            try:
-                ms = time_ms(lambda: calls[name](cfg), "cuda")
-            except Exception as e:  # a setting that does not compile (registers, shared memory)
-                print(f"{name} {setting}: {type(e).__name__}: {str(e)[:120]}")
-                continue
+        grid = (GRID_TOKEN if qt == 1 else GRID)[name]
+        for setting, _, ms in knob_sweep(grid, base, calls[name], "cuda", deadline):
             tf = attn_tflops(ms, T, keys, HQ, D, passes=_PASSES[name])
             print(f"{name} {setting}: {ms:.2f} ms {tf:.0f} TFLOP/s", flush=True)
             out.add(result_row(name, "pisa_tile_kernel", "triton", T=T, ms=ms,
