@@ -258,12 +258,15 @@ def register() -> None:
 
 class PisaCacheLayer(CacheLayerMixin):
     """One layer of ``PisaHFCache``: a ``pisa.PisaCache`` preallocated to ``max_cache_len`` keys,
-    created at the first ``update`` (batch size, heads, dtype and device from the keys)."""
+    created at the first ``update`` (batch size, heads, dtype and device from the keys); with
+    ``bounds`` (the config's scorer is "bound") it keeps the key bounds from the first append, so
+    no decode step builds them (an O(max_cache_len) pass that a CUDA-graph capture cannot hold)."""
 
     def __init__(self, max_cache_len: int, block_size: int = SelectConfig.block_size,
-                 branching: int = SelectConfig.branching):
+                 branching: int = SelectConfig.branching, bounds: bool = False):
         super().__init__()
         self.max_cache_len, self.block_size, self.branching = max_cache_len, block_size, branching
+        self.bounds = bounds
         self.pisa: PisaCache | None = None
         self.length = 0  # tokens held, on the host: transformers asks for it every step
 
@@ -271,7 +274,7 @@ class PisaCacheLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape
         self.pisa = PisaCache(B, self.max_cache_len, H, D, block_size=self.block_size,
                               branching=self.branching, dtype=key_states.dtype,
-                              device=key_states.device)
+                              device=key_states.device, bounds=self.bounds)
         self.batch_size, self.device = B, key_states.device
         self.is_initialized = True
 
@@ -339,6 +342,7 @@ class PisaHFCache(Cache):
         if not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
         knobs = pisa_knobs(config)
+        bounds = knobs["scorer"] == "bound" and knobs["selector"] in ("pyramid", "auto")
         super().__init__(layers=[PisaCacheLayer(max_cache_len, knobs["block_size"],
-                                                knobs["branching"])
+                                                knobs["branching"], bounds)
                                  for _ in range(config.num_hidden_layers)])

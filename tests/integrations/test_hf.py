@@ -124,6 +124,23 @@ def test_pisa_cache_refuses_overflow_and_mismatched_block_size(rng):
         sparse(ids, cache=cache, use_cache=True)
 
 
+@pytest.mark.parametrize("scorer", ["bound", "lse"])
+def test_pisa_cache_keeps_key_bounds_when_the_scorer_reads_them(rng, scorer):
+    """With the bound scorer (the default) the cache keeps the key bounds from the first append
+    (no decode step builds them) and they equal a rebuild's; with "lse" it keeps none."""
+    _, sparse = _pair(scorer=scorer)
+    cache = pisa_hf.PisaHFCache(sparse.config, 64)
+    with torch.no_grad():
+        sparse(torch.randint(0, 128, (1, 40)), cache=cache, use_cache=True)
+        sparse(torch.randint(0, 128, (1, 1)), cache=cache, use_cache=True)
+    layer = cache.layers[0].pisa
+    assert layer.has_bounds == (scorer == "bound")
+    if scorer == "bound":
+        mins, maxs = layer.mins.clone(), layer.maxs.clone()
+        layer.enable_bounds()
+        assert torch.equal(mins, layer.mins) and torch.equal(maxs, layer.maxs)
+
+
 def test_static_caches_explicit_masks_and_padding_with_pisa_cache_are_refused(rng):
     _, sparse = _pair()
     ids = torch.randint(0, 128, (2, 40))
