@@ -1,8 +1,9 @@
-"""Log-log plot of time against T from a result file (one line per (op, impl)).
+"""Log-log plot of time against T from result files (one line per (op, impl), the rows of every
+file together: a sweep saved in pieces plots as one).
 
-    python benchmarks/plot.py benchmarks/results/train_h200.json docs/train_h200.png \
+    python benchmarks/plot.py benchmarks/results/train_h200.json --out docs/train_h200.png \
         --ops select fwdbwd
-    python benchmarks/plot.py benchmarks/results/decode_h200.json docs/decode_h200.png \
+    python benchmarks/plot.py benchmarks/results/decode_h200.json --out docs/decode_h200.png \
         --ops decode --batches 1 16
 """
 from __future__ import annotations
@@ -13,8 +14,8 @@ import json
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("path")
-    ap.add_argument("out")
+    ap.add_argument("paths", nargs="+", help="result files")
+    ap.add_argument("--out", required=True, help="the image to write")
     ap.add_argument("--ops", nargs="+", default=["select", "fwdbwd"])
     ap.add_argument("--batches", type=int, nargs="+", default=[None],
                     help="one panel per batch size per op (default: every row)")
@@ -22,13 +23,17 @@ def main() -> None:
     import matplotlib  # after the arguments: --help works without it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    with open(args.path) as f:
-        result = json.load(f)
+    rows, metas = [], []
+    for path in args.paths:
+        with open(path) as f:
+            result = json.load(f)
+        rows += result["rows"]
+        metas.append(result["meta"])
     panels = [(op, b) for op in args.ops for b in args.batches]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (op, batch) in zip(axes[0], panels):
         lines: dict[str, list] = {}
-        for r in result["rows"]:
+        for r in rows:
             if r["op"] == op and r["ms"] is not None and batch in (None, r["B"]):
                 lines.setdefault(r["impl"], []).append((r["T"], r["ms"]))
         for impl, pts in lines.items():
@@ -39,9 +44,10 @@ def main() -> None:
         ax.set_title(op if batch is None else f"{op}, batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    m = result["meta"]
-    fig.suptitle(f"{m['device']} · torch {m['torch']} · triton {m['triton']} · {m['date'][:10]}",
-                 fontsize=9)
+    m = metas[0]
+    dates = sorted({x["date"][:10] for x in metas})
+    fig.suptitle(f"{m['device']} · torch {m['torch']} · triton {m['triton']} · "
+                 f"{' / '.join(dates)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
 
