@@ -11,7 +11,7 @@ from .ops.decode import decode_step, prefill_with_cache
 from .ops.decode.kvcache import (check_batch_idx, check_block_table, check_cache,
                                  check_new_kv, check_seqlens, write_kv)
 from .ops.select import select
-from .ops.utils.config import (AUTO_CROSSOVER_T, BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig,
+from .ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig,
                                check_block_idx, check_block_idx_values, check_qk, n_query_tiles,
                                resolve_backend, resolve_config)
 from .ops.utils.varlen import VarlenLayout, check_varlen, varlen_layout
@@ -206,9 +206,9 @@ def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if backend == "naive":
         raise ValueError("backend='naive' has no packed-sequence form: use 'torch' or 'triton' "
                          "(or the naive pisa_attn on each sequence)")
-    if selector == "auto":  # one choice for every sequence, by the longest
-        selector = "flat_lse" if max_seqlen_k < AUTO_CROSSOVER_T else "pyramid"
-    cfg = resolve_config(q[None], k[None], backend, selector=selector, **knobs)
+    # selector="auto": one choice for every sequence, by the longest
+    cfg = resolve_config(q[None], k[None], backend, selector=selector, seqlen_k=max_seqlen_k,
+                         **knobs)
     return backend, cfg
 
 
@@ -254,7 +254,8 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
         return (q.new_full((0, k.shape[1], cfg.slots), -1, dtype=torch.int32),
                 q.new_zeros((0, k.shape[1]), dtype=torch.int32))
     lay = _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg)
-    idx, cnt = _varlen_select(lay.rows(q, lay.pos_q), lay.rows(k, lay.pos_k), lay, cfg, backend)
+    idx, cnt = _varlen_select(lay.rows(q.detach(), lay.pos_q), lay.rows(k.detach(), lay.pos_k), lay,
+                              cfg, backend)
     rows = lay.pos_q // cfg.query_tile
     idx = idx[0].index_select(0, rows)
     idx = torch.where(idx >= 0, idx - lay.sink_q.to(torch.int32)[:, None, None], -1)
@@ -438,12 +439,12 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     backend = resolve_backend(backend, q)
-    # only the capacity of k is read (selector="auto"): a shape, not the (paged) keys
-    capacity = torch.empty(1, cache.max_seqlen, H, D, device="meta")
-    cfg = resolve_config(q, capacity, backend, block_size=cache.block_size, topk=topk,
+    # selector="auto" by the cache's capacity
+    cfg = resolve_config(q, None, backend, block_size=cache.block_size, topk=topk,
                          branching=cache.branching, beam=beam, beam_leaf=beam_leaf,
                          scorer=scorer, selector=selector, forced_in_budget=forced_in_budget,
-                         scale=scale, query_tile=query_tile, tile_reduce=tile_reduce)
+                         scale=scale, query_tile=query_tile, tile_reduce=tile_reduce,
+                         seqlen_k=cache.max_seqlen)
     own = cache_seqlens is None
     if own:
         lens = cache.cache_seqlens if idx is None else _rows(cache.cache_seqlens, idx)

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from .ops.attn import sparse_attn
 from .ops.pyramid.torch_backend import leaf_summaries, pyramid_from_leaves
 from .ops.select import select
-from .ops.utils.config import (AUTO_CROSSOVER_T, BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig,
+from .ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig,
                                check_knobs, check_qk, resolve_backend, resolve_config)
 from .ops.utils.geometry import cdiv
 
@@ -517,9 +517,7 @@ def _setup(q, k, group, layout, backend, knobs):
     if lay.block_size != C or lay.local_len() != q.shape[1]:
         raise ValueError(f"layout holds {lay.local_len()} tokens in blocks of {lay.block_size} "
                          f"on this rank, but q has {q.shape[1]} and block_size={C}")
-    if knobs["selector"] == "auto":
-        knobs = {**knobs, "selector": "flat_lse" if lay.seqlen < AUTO_CROSSOVER_T else "pyramid"}
-    return backend, lay, resolve_config(q, k, backend, **knobs)
+    return backend, lay, resolve_config(q, k, backend, seqlen_k=lay.seqlen, **knobs)
 
 
 def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,

@@ -102,9 +102,7 @@ class SelectionScorer:
         idx, cnt = pisa_select(self.q, self.k, selector=selector, scale=self.scale,
                                backend=self.backend, **knobs)
         qt = knobs.get("query_tile") or min(QUERY_TILE, self.block_size)
-        if qt > 1:
-            idx = tiles_to_tokens(idx, cnt, self.q.shape[1], self.k.shape[1], qt)[0]
-        return idx
+        return tiles_to_tokens(idx, cnt, self.q.shape[1], self.k.shape[1], qt)[0]
 
     def mass(self, block_idx: torch.Tensor) -> float:
         return captured_mass(self.q, self.k, block_idx, self.block_size, self.scale, self.full,

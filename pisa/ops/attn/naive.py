@@ -3,7 +3,7 @@
 Query ``t`` of ``q [B, Tq, HQ, D]`` sits at absolute position ``Tk - Tq + t`` (bottom-right causal)
 and attends the keys ``j <= Tk - Tq + t`` of its selected blocks, shared by its GQA group. A tile
 selection (``query_tile > 1``: a row per aligned tile of ``query_tile`` absolute positions) is
-expanded to per-token rows first (``token_rows``).
+expanded to per-token rows first (``utils.csr.token_rows``).
 """
 from __future__ import annotations
 
@@ -11,18 +11,7 @@ import math
 
 import torch
 
-from ..utils.csr import token_tile_rows
-
-
-def token_rows(block_idx: torch.Tensor, n_queries: int, n_keys: int,
-               query_tile: int) -> torch.Tensor:
-    """The per-token selection ``[B, n_queries, HKV, S]`` of a selection by query tiles
-    (``[B, n_query_tiles(n_queries, n_keys, query_tile), HKV, S]``): each token takes its tile's
-    row (``utils.csr.token_tile_rows``). ``query_tile = 1``: ``block_idx`` itself."""
-    if query_tile == 1:
-        return block_idx
-    return block_idx.index_select(1, token_tile_rows(n_queries, n_keys, query_tile,
-                                                     block_idx.device))
+from ..utils.csr import token_rows
 
 
 def naive_attn(q, k, v, block_idx: torch.Tensor, block_size: int, scale: float,

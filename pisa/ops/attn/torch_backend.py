@@ -6,7 +6,7 @@ and values once and computes a partial softmax (max, sum, unnormalised output) w
 the partials of a query's blocks are then merged (as flash-decoding merges splits). The backward
 recomputes probabilities from the saved LSE (as FlashAttention does) in the same grouped layout, so
 dK/dV accumulate per block. Memory is O(chunk · S · G · (C + D)); no ``[T, T]`` or ``[T, N/C]``.
-A tile selection (``query_tile > 1``) is expanded to per-token rows first (``naive.token_rows``,
+A tile selection (``query_tile > 1``) is expanded to per-token rows first (``utils.csr.token_rows``,
 ``[B, Tq, HKV, S]`` int32: O(N · S) memory) and runs the same path.
 """
 from __future__ import annotations
@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..utils.config import CHUNK_ELEMS, PAIRS_PER_GROUP
-from ..utils.csr import PairGroups, group_pairs
+from ..utils.csr import PairGroups, group_pairs, token_rows
 from ..utils.geometry import cdiv, compute_dtype
-from .naive import token_rows
 
 
 def _blocked(x: torch.Tensor, block_size: int, dtype) -> torch.Tensor:

@@ -82,8 +82,8 @@ def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     cache's key bounds ``mins, maxs`` when given, which ``scorer="bound"`` ranks by; without them
     the selection builds the bounds from the keys, O(seqlen)) for the ``torch`` and ``triton``
     backends (``naive`` builds its own from the keys), then ``sparse_attn``. With
-    ``cfg.query_tile > 1`` the selection has a row per query tile, expanded to the tokens'
-    rows for the attention. Sequences of equal length go through together; otherwise one at a
+    ``cfg.query_tile > 1`` the selection has a row per query tile, which the tile attention
+    kernels take as it is. Sequences of equal length go through together; otherwise one at a
     time (always, with ``slots``). ``seqlens`` are host ints (prefill may sync), as are ``slots``
     (row ``b`` reads slot ``slots[b]`` of the cache; default ``b``). A paged cache
     (``block_table``) is read through its table: the sequence's pages are gathered into one

@@ -14,7 +14,6 @@ the row's own sequence, whose first block is its sink.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -22,7 +21,7 @@ from torch import Tensor
 
 from ..pyramid import Pyramid, build_pyramid
 from ..utils.config import SelectConfig, n_query_tiles
-from ..utils.csr import token_tile_rows
+from ..utils.csr import token_rows
 from ..utils.geometry import cdiv, level_offsets
 
 
@@ -32,9 +31,6 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
     from .triton import beam_geometry, check_pyramid, select_pyramid_triton
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"backend='triton' needs fp16/bf16/fp32 q and k, got {q.dtype}")
-    if cfg.query_tile == 1 and cfg.tile_reduce != "sum":
-        # one-token tiles: every reduction is the token's own score (the same kernels)
-        cfg = dataclasses.replace(cfg, tile_reduce="sum")
     # Beams as wide as the leaf count prune nothing: the walk reduces to the flat scan of the
     # leaf scores (and candidate tiles that wide would not fit the walk kernel).
     n_leaves = cdiv(k.shape[1], cfg.block_size)
@@ -110,6 +106,5 @@ def tiles_to_tokens(block_idx: Tensor, counts: Tensor, n_queries: int, n_keys: i
     """A selection per query tile (``block_idx [B, n_tiles, HKV, S]``, ``counts [B, n_tiles,
     HKV]``, of the last ``n_queries`` of ``n_keys`` positions) as the per-token selection
     ``[B, n_queries, HKV, S]``, ``[B, n_queries, HKV]``: each token takes its tile's row (the
-    reference layout of the attention kernels)."""
-    tile = token_tile_rows(n_queries, n_keys, query_tile, block_idx.device)
-    return block_idx.index_select(1, tile), counts.index_select(1, tile)
+    reference layout of the attention kernels; ``query_tile = 1``: the selection itself)."""
+    return tuple(token_rows(x, n_queries, n_keys, query_tile) for x in (block_idx, counts))

@@ -287,13 +287,14 @@ def _select(q, k, cfg, pyramid, blk0):
     if cfg.selector == "pyramid" and cfg.leaf_scorer != "mean":
         kp = torch.nn.functional.pad(k.to(ct), (0, 0, 0, 0, 0, N * C - Tk))
         k_blocks = kp.view(B, N, C, H, D).permute(0, 3, 1, 2, 4).reshape(B * H * N, C, D)
+    rows = 1 if cfg.tile_reduce == "qmean" else Qt  # query tokens a tile scores with
     if cfg.selector == "pyramid":  # largest: the leaf products, the gathered summaries
         width = g * (max(cfg.beam, cfg.beam_at(2)) + MAX_FORCED)
-        per_tile = B * H * width * max(Qt * G * max(C, D), 2 * g * D)
+        per_tile = B * H * width * max(rows * G * max(C, D), 2 * g * D)
     elif cfg.selector == "flat_lse":
-        per_tile = B * HQ * Qt * (Tk + C)
+        per_tile = B * HQ * rows * (Tk + C)
     else:
-        per_tile = B * H * Qt * (N + D)
+        per_tile = B * H * rows * (N + D)
     first, n_tiles = (Tk - Tq) // Qt, n_query_tiles(Tq, Tk, Qt)
     chunk = max(max(1, 16 // Qt), min(n_tiles, CHUNK_ELEMS // max(per_tile, 1)))
     idx_out = torch.empty(B, n_tiles, H, cfg.slots, dtype=torch.int32, device=dev)
@@ -319,7 +320,7 @@ def _select(q, k, cfg, pyramid, blk0):
                 score = _exact_leaf_scores(qs, k_blocks, cand, cfg.leaf_scorer, tok_ok,
                                            cfg.tile_reduce)
         else:
-            n_end = int(t_ref[-1]) // C + 1
+            n_end = (min((first + e) * Qt, Tk) - 1) // C + 1  # t_ref[-1]'s block, no sync
             cand = torch.arange(n_end, device=dev).expand(B, e - s, H, n_end)
             free = (cand > after) & (cand * C <= t_ref[None, :, None, None]) \
                 & ~is_in(cand, forced)

@@ -854,11 +854,10 @@ def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool, residuals: b
     D = pyramid.means.shape[-1]
     parts = [pyramid.maxs, pyramid.mins] if bound else [pyramid.means]
     if q.dtype == torch.float32 or not residuals:
-        dtype = q.dtype if q.dtype != torch.float32 else torch.float32
         if not bound:
-            return pyramid.means.to(dtype), 0, 0
+            return pyramid.means.to(q.dtype), 0, 0
         # [B, N, HKV, (max, min), D]
-        return torch.stack(parts, dim=3).to(dtype)[:, :, :, 0], 0, D
+        return torch.stack([x.to(q.dtype) for x in parts], dim=3)[:, :, :, 0], 0, D
     split = []
     for x in parts:
         hi = x.to(q.dtype)

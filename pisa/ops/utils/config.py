@@ -218,17 +218,20 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
-def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
+def resolve_config(q: torch.Tensor, k: torch.Tensor | None, backend: str, *,
                    block_size: int = SelectConfig.block_size, topk: int = SelectConfig.topk,
                    branching: int = SelectConfig.branching, beam: int | None = None,
                    scorer: str = SelectConfig.scorer, selector: str = SelectConfig.selector,
                    forced_in_budget: bool = SelectConfig.forced_in_budget,
                    scale: float | None = None, query_tile: int | None = SelectConfig.query_tile,
                    beam_leaf: int | None = None,
-                   tile_reduce: str = SelectConfig.tile_reduce) -> SelectConfig:
+                   tile_reduce: str = SelectConfig.tile_reduce,
+                   seqlen_k: int | None = None) -> SelectConfig:
     """Check the selection knobs for the resolved ``backend`` and fill in defaults (``beam``:
     ``topk``; ``scale``: ``D ** -0.5``; ``query_tile``: ``min(QUERY_TILE, block_size)``;
-    ``selector="auto"`` by ``k``'s length); raise
+    ``selector="auto"`` by the key length ``seqlen_k``, default ``k``'s — ``k`` may be None when
+    it is given: a packed batch's longest sequence, a sharded sequence's global length, a
+    cache's capacity); raise
     ``ValueError`` (or ``TypeError``, for a knob of the wrong type) naming the bad one.
     ``beam_leaf=None`` stays ``None``: it means ``beam`` (``SelectConfig.beam_at``), so that a
     config made with ``SelectConfig(beam=...)`` and a resolved one compare equal."""
@@ -243,7 +246,8 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, backend: str, *,
     if scale is None:
         scale = default_scale(q.shape[-1])
     if selector == "auto":
-        selector = "flat_lse" if k.shape[1] < AUTO_CROSSOVER_T else "pyramid"
+        selector = "flat_lse" if (k.shape[1] if seqlen_k is None else seqlen_k) \
+            < AUTO_CROSSOVER_T else "pyramid"
     return SelectConfig(block_size, topk, branching, beam, scorer, selector,
                         bool(forced_in_budget), float(scale), query_tile, beam_leaf, tile_reduce)
 

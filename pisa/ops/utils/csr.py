@@ -135,3 +135,14 @@ def block_work_items(block_idx: torch.Tensor, n_blocks: int, chunk: int):
     n_parts_first = torch.where(item_split & (j == 0), n_chunks[item_key], 0)
     items = torch.stack([item_key, start_i, end_i, slot, n_parts_first], 1)
     return rows, items.contiguous(), n_parts
+
+
+def token_rows(block_idx: torch.Tensor, n_queries: int, n_keys: int,
+               query_tile: int) -> torch.Tensor:
+    """The per-token selection ``[B, n_queries, HKV, S]`` of a selection by query tiles
+    (``[B, n_query_tiles(n_queries, n_keys, query_tile), HKV, S]``): each token takes its tile's
+    row (``token_tile_rows``). ``query_tile = 1``: ``block_idx`` itself."""
+    if query_tile == 1:
+        return block_idx
+    return block_idx.index_select(1, token_tile_rows(n_queries, n_keys, query_tile,
+                                                     block_idx.device))
