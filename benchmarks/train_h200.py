@@ -115,8 +115,7 @@ def main() -> None:
         """select (when ``knobs``), fwd, bwd, fwdbwd of one arm."""
         if knobs is not None:
             with torch.no_grad():
-                row("select", impl, T, *timed(lambda: pisa_select(
-                    q, k, **{n: x for n, x in knobs.items() if n != "deterministic"})), knobs)
+                row("select", impl, T, *timed(lambda: pisa_select(q, k, **knobs)), knobs)
         with torch.no_grad():
             row("fwd", impl, T, *timed(fwd), knobs)
         o = fwd()

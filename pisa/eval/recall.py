@@ -23,13 +23,13 @@ import torch
 
 from ..ops.utils.config import CHUNK_ELEMS, SelectConfig
 from ..ops.utils.geometry import cdiv
-from .metrics import SelectionScorer
-
-FIELDS = ("model", "layer", "T", "selector", "K", "W", "recall", "mass", "mass_ratio")
 # The knobs every selector and arm starts from: the per-token walk (``pisa_select`` defaults to
 # 16-token tiles since selection v2; the beam sweep and the recorded arms, e.g. ``qt1_w16:beam=16``
 # in ``benchmarks/results/quality_recall_v2.json``, are on top of the per-token knobs).
-PER_TOKEN = dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None)
+from .gpt import PER_TOKEN
+from .metrics import SelectionScorer
+
+FIELDS = ("model", "layer", "T", "selector", "K", "W", "recall", "mass", "mass_ratio")
 
 
 @dataclass

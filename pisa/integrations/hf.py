@@ -28,6 +28,7 @@ transformers 5.24.0 (see ``docs/integrations.md``).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -101,17 +102,28 @@ def _kwargs_batch(kwargs) -> PackedBatch | None:
     return PackedBatch(cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k))
 
 
+# The last position_ids read (a weak reference, its version, the batch size) and what they told:
+# every layer of a forward gets the same tensor, so reading them syncs once a forward.
+_POSITIONS: list = [None, None, None]
+
+
 def _positions_batch(position_ids, query, key) -> PackedBatch | None:
     """Packed rows told by ``position_ids [B or 1, T]`` alone (a position not one past the
     previous starts a sequence), as transformers' flash attention reads them: with a cache,
-    transformers makes no packed-sequence mask. One host sync a layer; None without restarts,
-    with a cache holding earlier tokens, or for one token."""
+    transformers makes no packed-sequence mask. One host sync a forward (``_POSITIONS``); None
+    without restarts, with a cache holding earlier tokens, or for one token."""
     T = query.shape[2]
     if position_ids is None or T == 1 or key.shape[2] != T or position_ids.shape[-1] != T:
         return None
+    ref, key, seen = _POSITIONS
+    key_now = (position_ids._version, query.shape[0])
+    if ref is not None and ref() is position_ids and key == key_now:
+        return seen
     pos = position_ids.expand(query.shape[0], -1)
     ids = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
-    return _packed_batch(ids) if bool(ids[:, -1].any()) else None
+    seen = _packed_batch(ids) if bool(ids[:, -1].any()) else None
+    _POSITIONS[:] = [weakref.ref(position_ids), key_now, seen]
+    return seen
 
 
 def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -133,18 +145,18 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
             the call through ``pisa_attn_with_kvcache``; ``cu_seq_lens_q / _k`` with
             ``max_length_q / _k`` (all four) mark a flattened batch (``pisa_attn_varlen``), as do
             ``position_ids`` restarting inside a row (read as transformers' flash attention
-            does, one host sync a layer, when no mask told the sequences); the rest is ignored.
+            does, one host sync a forward, when no mask told the sequences); the rest is ignored.
 
     Returns:
         (out (batch, seqlen_q, nheads, headdim), None): no attention weights exist to return.
     """
-    packed = attention_mask if isinstance(attention_mask, PackedBatch) else _kwargs_batch(kwargs)
-    if attention_mask is None and packed is None:
-        packed = _positions_batch(kwargs.get("position_ids"), query, key)
     if attention_mask is not None and not isinstance(attention_mask, PackedBatch):
         raise ValueError("attn_implementation='pisa' got an explicit attention mask "
                          f"{tuple(attention_mask.shape)}; only unpadded causal attention is "
                          "supported (pass a 2D all-ones attention_mask or none)")
+    packed = attention_mask if isinstance(attention_mask, PackedBatch) else _kwargs_batch(kwargs)
+    if attention_mask is None and packed is None:
+        packed = _positions_batch(kwargs.get("position_ids"), query, key)
     if dropout:
         raise ValueError(f"attn_implementation='pisa' has no attention dropout, got {dropout}")
     if not getattr(module, "is_causal", True) or kwargs.get("sliding_window") is not None:

@@ -201,6 +201,22 @@ def test_packed_batch_equals_documents_one_at_a_time(rng, flash_kwargs, use_cach
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_restarting_positions_are_read_once_a_forward(rng, monkeypatch):
+    """Packed rows told by ``position_ids`` alone (with a cache): every layer gets the same
+    tensor, so it is read (a host sync) once a forward, not once a layer; a new forward's
+    positions are read again."""
+    _, sparse = _pair()
+    assert sparse.config.num_hidden_layers > 1
+    calls = []
+    real = pisa_hf._packed_batch
+    monkeypatch.setattr(pisa_hf, "_packed_batch", lambda ids: calls.append(1) or real(ids))
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.no_grad():
+        for _ in range(2):
+            sparse(ids, position_ids=torch.arange(40).remainder(20)[None], use_cache=True)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_equals_documents_one_at_a_time(rng, side):
     _, sparse = _pair()
