@@ -38,7 +38,7 @@ from pisa.bench import (dense_attention, dense_decode, keys_attended, peak_gb,  
                         reset_peak, time_ms)
 from pisa.results import default_device, meta, result_row, write_result  # noqa: E402
 
-__all__ = ["knob_sweep", "time_ms", "graph_ms", "graph_warm_ms", "cuda_graph", "dense_attention",
+__all__ = ["knob_sweep", "kernel_times", "time_ms", "graph_ms", "graph_warm_ms", "cuda_graph", "dense_attention",
            "dense_backend", "pisa_backend", "dense_decode", "keys_attended", "peak_gb",
            "reset_peak", "default_device", "meta", "result_row", "write_result", "command", "shape",
            "randn_qkv", "fwd_bwd", "attn_tflops", "Results", "CONFIGS", "DTYPE", "BATCH", "HQ",
@@ -122,6 +122,21 @@ def knob_sweep(grid: dict, base, call, device: str, deadline: float):
             print(f"{setting}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
         yield setting, cfg, ms
+
+
+def kernel_times(fn, calls: int = 3, top: int | None = None) -> list[dict]:
+    """Device milliseconds per call of each kernel ``fn`` launches (``torch.profiler``, ``calls``
+    calls after one warm-up), longest first (the ``top`` longest): ``[{"kernel", "ms"}]``."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key, "ms": e.self_device_time_total / calls / 1e3}
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 def cuda_graph(fn) -> torch.cuda.CUDAGraph:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-from common import C, HKV, HQ, K, D, command, meta, randn_qkv, write_result
+from common import C, HKV, HQ, K, D, command, kernel_times, meta, randn_qkv, write_result
 
 import pisa
 from pisa import pisa_select
@@ -38,13 +37,7 @@ def main():
         f()
     torch.cuda.synchronize()
     total = float(do_bench(f, warmup=100, rep=1000, return_mode="median"))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            f()
-        torch.cuda.synchronize()
-    kernels = {e.key: e.self_device_time_total / 5 / 1e3 for e in prof.key_averages()
-               if e.self_device_time_total > 0}
-    rows = [{"kernel": name, "ms": ms} for name, ms in sorted(kernels.items(), key=lambda x: -x[1])]
+    rows = kernel_times(f, calls=5)
     print(f"pisa from {pisa.__file__} {knobs}: {total:.2f} ms")
     for r in rows[:6]:
         print(f"  {r['kernel'][:50]:50s} {r['ms']:8.3f} ms")

@@ -11,7 +11,9 @@ Config A (bf16, HQ = 64, HKV = 4, D = 128, C = 64, K = 16), the same random toke
   pyramids, every block a candidate of every later query.
 
 Times (``common.time_ms``: triton's ``do_bench`` median on CUDA) ``fwd`` and ``fwdbwd`` per arm,
-with peak memory, as rows of ``pisa.results`` written to ``--out``.
+with peak memory, as rows of ``pisa.results`` written to ``--out``; ``--profile`` adds to each
+row its 12 longest kernels (``common.kernel_times``: device ms per call), to see where varlen's
+extra time goes.
 
     python benchmarks/varlen_h200.py --out benchmarks/results/varlen_h200.json
 
@@ -25,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from common import (CONFIGS, DTYPE, G_BR, Results, fwd_bwd, peak_gb, pisa_backend, reset_peak,
-                    result_row, shape, time_ms)
+from common import (CONFIGS, DTYPE, G_BR, Results, fwd_bwd, kernel_times, peak_gb, pisa_backend,
+                    reset_peak, result_row, shape, time_ms)
 from pisa import pisa_attn, pisa_attn_varlen
 from pisa.ops.utils.config import QUERY_TILE, SelectConfig
 
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes, torch backend on the CPU (HQ=4, HKV=2, D=16, 4 x 96, C=16)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of each row (CUDA)")
     ap.add_argument("--out", type=Path, help="JSON result file")
     args = ap.parse_args()
     HQ, HKV, D = CONFIGS[args.config]
@@ -75,8 +78,10 @@ def main() -> None:
             reset_peak(dev)
             with torch.no_grad() if op == "fwd" else torch.enable_grad():
                 ms = time_ms(fn, dev)
-            out.add(result_row(op, arm, backend, T=T, ms=ms, peak_gb=peak_gb(dev), docs=n,
-                               doc_len=L, query_tile=tile,
+                gb = peak_gb(dev)
+                prof = {"kernels": kernel_times(fn, top=12)} if args.profile else {}
+            out.add(result_row(op, arm, backend, T=T, ms=ms, peak_gb=gb, docs=n,
+                               doc_len=L, query_tile=tile, **prof,
                                **dict(shape(HQ, HKV, D, K=args.topk, C=args.block_size, W=args.topk,
                                             dtype=str(dtype).removeprefix("torch.")), B=B)))
         out.save()

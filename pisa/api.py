@@ -217,13 +217,15 @@ def _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg) -> VarlenLayout
                          cfg.block_size, cfg.branching)
 
 
-def _varlen_select(q_row, k_row, lay: VarlenLayout, cfg: SelectConfig, backend: str):
-    """The selection ``[1, rows, HKV, S]`` (global block ids) of the layout rows ``q_row``,
-    ``k_row`` (``lay.rows``)."""
-    q_row, k_row = q_row.detach(), k_row.detach()
+def _varlen_select(q, k_row, lay: VarlenLayout, cfg: SelectConfig, backend: str, q_row=None):
+    """The selection ``[1, rows, HKV, S]`` (global block ids) of packed queries ``q`` against
+    the layout row of keys ``k_row`` (``lay.rows``; that of ``q`` too when the caller has it)."""
+    q = q.detach()
     if cfg.query_tile > 1 and cfg.tile_reduce == "qmean":  # partial tiles: their own mean
-        q_row = lay.mean_tile_rows(q_row, cfg.query_tile)
-    return select(q_row, k_row, cfg, backend, blk0=lay.blk0)
+        q_row = lay.mean_tile_rows(q, cfg.query_tile, backend)
+    elif q_row is None:
+        q_row = lay.rows(q, False, backend)
+    return select(q_row.detach(), k_row.detach(), cfg, backend, blk0=lay.blk0)
 
 
 def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -254,8 +256,7 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
         return (q.new_full((0, k.shape[1], cfg.slots), -1, dtype=torch.int32),
                 q.new_zeros((0, k.shape[1]), dtype=torch.int32))
     lay = _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg)
-    idx, cnt = _varlen_select(lay.rows(q.detach(), lay.pos_q), lay.rows(k.detach(), lay.pos_k), lay,
-                              cfg, backend)
+    idx, cnt = _varlen_select(q, lay.rows(k.detach(), True, backend), lay, cfg, backend)
     rows = lay.pos_q // cfg.query_tile
     idx = idx[0].index_select(0, rows)
     idx = torch.where(idx >= 0, idx - lay.sink_q.to(torch.int32)[:, None, None], -1)
@@ -303,14 +304,16 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lay = _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg)
     tile = cfg.query_tile
     # one copy of each into the row, differentiable, shared by the selection and the attention
-    q_row, k_row, v_row = lay.rows(q, lay.pos_q), lay.rows(k, lay.pos_k), lay.rows(v, lay.pos_k)
+    q_row = lay.rows(q, False, backend)
+    k_row, v_row = lay.rows(k, True, backend), lay.rows(v, True, backend)
     if block_idx is None:
-        idx, _ = _varlen_select(q_row, k_row, lay, cfg, backend)
+        idx, _ = _varlen_select(q, k_row, lay, cfg, backend, q_row)
     else:
         idx, tile = _varlen_block_idx(block_idx, q, k, lay, max_seqlen_k), 1
     o, lse = sparse_attn(q_row, k_row, v_row, idx, cfg.block_size, cfg.scale, backend,
                          deterministic, tile)
-    o, lse = o[0].index_select(0, lay.pos_q), lse[0].index_select(1, lay.pos_q)
+    # squeeze, not o[0]: a select's backward zero-fills and copies the whole row (2 GiB at 128K)
+    o, lse = lay.unrows(o.squeeze(0), backend), lse.squeeze(0).index_select(1, lay.pos_q)
     return (o, lse) if return_lse else o
 
 

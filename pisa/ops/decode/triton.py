@@ -38,7 +38,8 @@ walk equals prefill's):
   exact LSE. Only ranked nodes' children are read, which lie wholly before the query, so the
   ``+inf`` / ``-inf`` bounds of nodes past a sequence are never loaded.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
-  keys (``_leaf_keys`` and ``select.triton.leaf_scores``: one ``[g * C, D]`` load and one dot
+  keys (``select.triton.leaf_keys``, or ``_leaf_keys`` through the page table, and
+  ``leaf_scores``: one ``[g * C, D]`` load and one dot
   per parent, the next parents' keys loading meanwhile); the best ``K - #forced`` free blocks
   (``K`` with ``forced_in_budget=False``) join the sink, previous and current blocks.
 - attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
@@ -48,7 +49,8 @@ walk equals prefill's):
   ``o, lse``; several write fp32 partials that ``_combine_kernel`` merges by their LSE.
 
 Paged cache (``block_table``, ``PAGED``) and slots (``cache_batch_idx``, ``SLOT_IDX``; both
-constexprs, so the contiguous kernel is unchanged): the walk reads only the sums, per slot; the
+constexprs: the contiguous step keeps its 32-bit block arithmetic, which paged addressing
+slowed by a quarter at 1M, ``docs/results_decode.md``): the walk reads only the sums, per slot; the
 leaf stage loads each scored parent's ``g`` table entries with its leaves' keys, and the attention
 the entries of the whole selected list once before its loop, then every block is one page
 (``C`` tokens). An entry the step reads outside the pool, or a slot outside the cache, gives NaN
@@ -82,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..select.triton import candidates, forced_parents, leaf_scores
+from ..select.triton import candidates, forced_parents, leaf_keys, leaf_scores
 from ..utils.config import SelectConfig
 from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.op import (F32_PRECISION, KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries,
@@ -194,21 +196,18 @@ def _level_scores(b_q, b_qb, m_row, b_rest, n_rest, cur, shift, p_child, p_lo, s
 
 
 @triton.jit
-def _block_ids(p_btb, blk, m_blk, n_pages, PAGED: tl.constexpr):
-    """Where the sequence's blocks ``blk`` live: with ``PAGED`` their pages (row ``p_btb`` of
-    the page table), else the blocks themselves (offsets from the sequence's first key), and
-    which of those in ``m_blk`` have no page in the pool ``[0, n_pages)`` (read as page 0)."""
-    if PAGED:
-        page = tl.load(p_btb + blk, mask=m_blk, other=0)
-        m_out = m_blk & ((page < 0) | (page >= n_pages))
-        return tl.where(m_out, 0, page), m_out
-    return blk, m_blk != m_blk
+def _pages(p_btb, blk, m_blk, n_pages):
+    """The pages of the sequence's blocks ``blk`` (row ``p_btb`` of the page table), and which
+    of those in ``m_blk`` have no page in the pool ``[0, n_pages)`` (read as page 0)."""
+    page = tl.load(p_btb + blk, mask=m_blk, other=0)
+    m_out = m_blk & ((page < 0) | (page >= n_pages))
+    return tl.where(m_out, 0, page), m_out
 
 
 @triton.jit
 def _leaf_keys(p_kh, o_id, s_kblk, s_kt, m_leaf, C: tl.constexpr, D: tl.constexpr):
-    """The keys ``[L * C, D]`` of the full leaf blocks at ``o_id [L]`` (``_block_ids``: pages or
-    blocks, ``s_kblk`` apart); leaves outside ``m_leaf`` are not loaded (zeros)."""
+    """The keys ``[L * C, D]`` of the full leaf pages ``o_id [L]`` (``_pages``, ``s_kblk``
+    apart); leaves outside ``m_leaf`` are not loaded (zeros)."""
     L: tl.constexpr = o_id.shape[0]
     o_c = tl.arange(0, C)
     o_d = tl.arange(0, D)
@@ -241,9 +240,12 @@ def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kblk, s_k
         par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
         o_leaf = par * G_BR + o_c
         m_leaf = (kept | new_f) & (o_leaf >= 1) & (o_leaf <= cur - 2)
-        o_id, m_out = _block_ids(p_btb, o_leaf, m_leaf, n_pages, PAGED)
-        n_out += tl.sum(m_out.to(tl.int32))
-        b_k = _leaf_keys(p_kh, o_id, s_kblk, s_kt, m_leaf & ~m_out, C, D)
+        if PAGED:
+            o_id, m_out = _pages(p_btb, o_leaf, m_leaf, n_pages)
+            n_out += tl.sum(m_out.to(tl.int32))
+            b_k = _leaf_keys(p_kh, o_id, s_kblk, s_kt, m_leaf & ~m_out, C, D)
+        else:  # the contiguous step keeps 32-bit block arithmetic (paging cost it 25%)
+            b_k = leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C, C, D, D)
         b_sj = tl.sum(leaf_scores(b_q, m_row, b_k, scale, 1, ROWS, C, C, 0, F32_PREC),
                       axis=0)  # [G_BR]
         m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, G_BR]
@@ -397,9 +399,11 @@ def _decode_kernel(
 
     # Attention over this split's share of the list (online softmax in base 2). Every split
     # looks up the pages of the whole list (one load), so all agree on a page outside the pool.
-    b_id, m_out = _block_ids(p_btb, b_sel, (b_sel >= 0) & (b_sel * C <= t), n_pages, PAGED)
-    m_bad |= (n_out + tl.sum(m_out.to(tl.int32))) > 0
-    b_att = tl.where(m_out, -1, b_sel)  # a block without a page is not read (the row is NaN)
+    b_att = b_sel
+    if PAGED:
+        b_id, m_out = _pages(p_btb, b_sel, (b_sel >= 0) & (b_sel * C <= t), n_pages)
+        m_bad |= (n_out + tl.sum(m_out.to(tl.int32))) > 0
+        b_att = tl.where(m_out, -1, b_sel)  # a block without a page is not read (NaN row)
     p_vh = p_v + i_c * s_vb + i_h * s_vh
     o_t = tl.arange(0, C)
     b_m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
@@ -408,10 +412,15 @@ def _decode_kernel(
     for j in tl.range(0, KPS, num_stages=ATTN_STAGES):
         m_j = o_s == i_s * KPS + j
         blk = tl.sum(tl.where(m_j, b_att + 1, 0)) - 1
-        i_id = tl.sum(tl.where(m_j, b_id, 0)).to(tl.int64)
         m_key = (blk >= 0) & (blk * C + o_t <= t)
-        b_k = load_rows(p_kh + i_id * s_kblk, o_t.to(tl.int64) * s_kt, m_key, D)
-        b_v = load_rows(p_vh + i_id * s_vblk, o_t.to(tl.int64) * s_vt, m_key, D)
+        if PAGED:
+            i_id = tl.sum(tl.where(m_j, b_id, 0)).to(tl.int64)
+            b_k = load_rows(p_kh + i_id * s_kblk, o_t.to(tl.int64) * s_kt, m_key, D)
+            b_v = load_rows(p_vh + i_id * s_vblk, o_t.to(tl.int64) * s_vt, m_key, D)
+        else:
+            o_key = (blk * C + o_t).to(tl.int64)
+            b_k = load_rows(p_kh, o_key * s_kt, m_key, D)
+            b_v = load_rows(p_vh, o_key * s_vt, m_key, D)
         b_z = tl.where(m_key[None, :], dot_nt(b_q, b_k, F32_PREC) * scale_log2, float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_z, b_v, b_m, b_l, b_acc, F32_PREC)
 

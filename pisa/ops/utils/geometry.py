@@ -5,6 +5,7 @@ all levels live in one buffer, leaves first, level ``l`` at rows ``offsets[l-1]:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ def level_sizes(n_leaves: int, branching: int) -> list[int]:
     return sizes
 
 
+@functools.lru_cache(maxsize=256)  # a decode step asks twice (checks, launch): host time
 def level_offsets(n_tokens: int, block_size: int, branching: int) -> tuple[int, ...]:
     """Row offsets of each level in the one-buffer layout: ``len = n_levels + 1``."""
     offsets = [0]

@@ -30,6 +30,40 @@ import torch
 from .geometry import cdiv
 
 
+def gather_rows(x: torch.Tensor, src: torch.Tensor, weight: torch.Tensor | None = None,
+                backend: str = "torch") -> torch.Tensor:
+    """Rows ``src [M]`` int64 of ``x [N, ...]`` as ``[M, ...]`` (x's dtype): row ``r`` is
+    ``x[src[r]]`` times ``weight[r]`` when given (``[M]``, fp32, or fp64 for fp64 ``x``; the
+    product in that precision), zeros where ``src[r] < 0``. ``backend="triton"``: one kernel
+    (``rows_triton``); ``"torch"``: ``index_select`` and a mask. Not differentiable
+    (``RowGather`` is)."""
+    if backend == "triton":
+        from .rows_triton import gather_rows_triton
+        return gather_rows_triton(x, src, weight)
+    keep = (src >= 0).to(weight.dtype if weight is not None else x.dtype)
+    w = keep if weight is None else keep * weight
+    out = x.index_select(0, src.clamp_min(0))
+    return (out * w.view(-1, *[1] * (x.dim() - 1))).to(x.dtype)
+
+
+class RowGather(torch.autograd.Function):
+    """``gather_rows(x, src)`` differentiable in ``x``, given ``inv [N]``, the inverse map (row
+    ``p`` of ``x`` is row ``inv[p]`` of the output, ``-1`` if no output row reads it; ``src``
+    reads each row at most once): the backward is the gather of the output's gradient by
+    ``inv``, no scatter."""
+
+    @staticmethod
+    def forward(ctx, x, src, inv, backend):
+        ctx.save_for_backward(inv)
+        ctx.backend = backend
+        return gather_rows(x, src, None, backend)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inv, = ctx.saved_tensors
+        return gather_rows(grad, inv, None, ctx.backend), None, None, None
+
+
 @dataclass(frozen=True)
 class VarlenLayout:
     """Where each packed token sits in the layout row, and each block's sink."""
@@ -38,6 +72,8 @@ class VarlenLayout:
     n_blocks: int          # blocks of the row (a bound: the tail past the last sequence is unused)
     pos_q: torch.Tensor    # [total_q] int64: row position of each packed query
     pos_k: torch.Tensor    # [total_k] int64: row position of each packed key
+    src_q: torch.Tensor    # [length] int64: the packed query at each row position, -1 for none
+    src_k: torch.Tensor    # [length] int64: the packed key at each row position, -1 for none
     sink_q: torch.Tensor   # [total_q] int64: first block of each query's sequence in the row
     blk0: torch.Tensor     # [n_blocks] int32: first block of the sequence of each block that
     #                        holds queries, -1 for the others (their rows are not selected)
@@ -46,27 +82,34 @@ class VarlenLayout:
     def length(self) -> int:
         return self.n_blocks * self.block_size
 
-    def rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Packed ``x [total, H, D]`` as the layout row ``[1, length, H, D]`` (zeros where no token
-        sits); differentiable."""
-        out = x.new_zeros(self.length, *x.shape[1:])
-        return out.index_copy(0, pos, x).unsqueeze(0)
+    def rows(self, x: torch.Tensor, keys: bool, backend: str) -> torch.Tensor:
+        """Packed queries (or with ``keys`` keys / values) ``x [total, H, D]`` as the layout row
+        ``[1, length, H, D]`` (zeros where no token sits); differentiable, one gather each way
+        (``RowGather``)."""
+        src, pos = (self.src_k, self.pos_k) if keys else (self.src_q, self.pos_q)
+        return RowGather.apply(x, src, pos, backend).unsqueeze(0)
 
-    def mean_tile_rows(self, q_row: torch.Tensor, query_tile: int) -> torch.Tensor:
-        """The layout row of queries ``q_row [1, length, HQ, D]`` (``rows``) as the selection of
-        ``tile_reduce="qmean"`` tiles of ``query_tile`` tokens must see it: each query scaled by
-        ``query_tile / n``, ``n`` the queries of its tile. The selection averages a tile of the
-        row over all its ``query_tile`` positions, and the row's positions that hold no query
-        (before a sequence's first query, past its end) are zeros, so a tile a sequence fills in
-        part would otherwise score ``n / query_tile`` times its mean query, where the sequence
-        alone scores the mean of its ``n`` queries. One elementwise pass in ``q_row``'s dtype
-        (exact for full tiles and ``n`` a power of two); device ops only."""
+    def unrows(self, o_row: torch.Tensor, backend: str) -> torch.Tensor:
+        """The packed queries' rows ``[total_q, H, D]`` of a row output ``o_row [length, H, D]``;
+        differentiable (``RowGather``)."""
+        return RowGather.apply(o_row, self.pos_q, self.src_q, backend)
+
+    def mean_tile_rows(self, q: torch.Tensor, query_tile: int, backend: str) -> torch.Tensor:
+        """The layout row ``[1, length, HQ, D]`` of packed queries ``q [total_q, HQ, D]``
+        (``rows``, not differentiable) as the selection of ``tile_reduce="qmean"`` tiles of
+        ``query_tile`` tokens must see it: each query scaled by ``query_tile / n``, ``n`` the
+        queries of its tile. The selection averages a tile of the row over all its
+        ``query_tile`` positions, and the row's positions that hold no query (before a
+        sequence's first query, past its end) are zeros, so a tile a sequence fills in part
+        would otherwise score ``n / query_tile`` times its mean query, where the sequence alone
+        scores the mean of its ``n`` queries. One gather (``gather_rows``, the product in fp32,
+        fp64 for fp64 ``q``; exact for full tiles and ``n`` a power of two); device ops only."""
         tile = self.pos_q // query_tile
-        n = torch.zeros(cdiv(self.length, query_tile), dtype=torch.float32, device=q_row.device)
-        n = n.index_add_(0, tile, torch.ones_like(tile, dtype=torch.float32))
-        ct = torch.float64 if q_row.dtype == torch.float64 else torch.float32
-        w = (query_tile / n.to(ct).clamp_min(1)).repeat_interleave(query_tile)[:self.length]
-        return q_row * w.to(q_row.dtype)[None, :, None, None]
+        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+        n = torch.zeros(cdiv(self.length, query_tile), dtype=ct, device=q.device)
+        n = n.index_add_(0, tile, torch.ones_like(tile, dtype=ct))
+        w = (query_tile / n.clamp_min(1)).repeat_interleave(query_tile)[:self.length]
+        return gather_rows(q, self.src_q, w, backend).unsqueeze(0)
 
 
 def _seq_of(cu: torch.Tensor, total: int) -> torch.Tensor:
@@ -102,7 +145,15 @@ def varlen_layout(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k:
     sink_q = start[seq_q]
     blk0 = torch.full((n_blocks,), -1, dtype=torch.int32, device=cu_k.device)
     blk0[pos_q // C] = sink_q.to(torch.int32)  # every query of a block writes the same value
-    return VarlenLayout(C, n_blocks, pos_q, pos_k, sink_q, blk0)
+    return VarlenLayout(C, n_blocks, pos_q, pos_k, _inverse(pos_q, n_blocks * C),
+                        _inverse(pos_k, n_blocks * C), sink_q, blk0)
+
+
+def _inverse(pos: torch.Tensor, length: int) -> torch.Tensor:
+    """``[length]`` int64: the index ``i`` with ``pos[i] == r`` at each ``r``, else ``-1``
+    (``pos`` distinct)."""
+    inv = torch.full((length,), -1, dtype=torch.int64, device=pos.device)
+    return inv.scatter_(0, pos, torch.arange(pos.shape[0], device=pos.device))
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int,

@@ -14,7 +14,7 @@ import torch
 from pisa import pisa_attn, pisa_attn_varlen, pisa_select, pisa_select_varlen
 from pisa.ops.select import tiles_to_tokens
 from pisa.ops.utils.config import QUERY_TILE
-from pisa.ops.utils.varlen import varlen_layout
+from pisa.ops.utils.varlen import gather_rows, varlen_layout
 from tests.ops.conftest import INTERPRET
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -117,24 +117,70 @@ def test_select_equals_each_sequence_alone_and_feeds_attn(knobs, rng):
                                                    **knobs))
 
 
+BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qt", [2, 4, 16])
-def test_qmean_rows_average_each_tile_over_its_own_queries(qt):
+def test_qmean_rows_average_each_tile_over_its_own_queries(qt, backend, poison_outputs):
     """The layout row's zeros (before a sequence's first query, past its end) are no queries: a
     ``qmean`` tile a sequence fills in part must average its own ``n`` queries, as the sequence
     alone does, not shrink by ``n / qt`` (the selection of such tiles differed from
     ``pisa_select`` on the sequence alone, e.g. the last 4 queries of a 116-key sequence with
     16-token tiles)."""
-    q, k, _, cu_q, cu_k = _packed(torch.float64, "cpu")
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    q, k, _, cu_q, cu_k = _packed(dtype, DEV)
     lay = varlen_layout(cu_q, cu_k, q.shape[0], k.shape[0], max(LEN_K), C, 2)
-    row = lay.mean_tile_rows(lay.rows(q, lay.pos_q), qt)[0]
+    row = lay.mean_tile_rows(q, qt, backend)[0]
     got = row.view(-1, qt, *q.shape[1:]).mean(1)
     tile = lay.pos_q // qt
-    n = torch.bincount(tile, minlength=got.shape[0]).double()
+    n = torch.bincount(tile, minlength=got.shape[0]).to(dtype)
     want = torch.zeros_like(got).index_add_(0, tile, q) / n.clamp_min(1)[:, None, None]
     assert (n[tile] < qt).any()  # partial tiles are there
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert torch.equal(lay.rows(q, lay.pos_q)[0][n.repeat_interleave(qt) == qt],
-                       row[n.repeat_interleave(qt) == qt])  # full tiles: unchanged
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    full = n.repeat_interleave(qt) == qt
+    assert torch.equal(lay.rows(q, False, backend)[0][full], row[full])  # full tiles: unchanged
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rows_and_back_are_gathers_with_exact_gradients(backend, dtype, poison_outputs):
+    """``lay.rows`` puts each packed token at its row position and zeros elsewhere;
+    ``lay.unrows`` reads the queries back; both backward passes are the inverse gathers: the
+    gradients equal those of the scatter / index formulation exactly (every output element is
+    one input element)."""
+    q, k, _, cu_q, cu_k = _packed(dtype, DEV)
+    k = k[:, :, :5]  # a row of 10 elements: not a power of two
+    lay = varlen_layout(cu_q, cu_k, q.shape[0], k.shape[0], max(LEN_K), C, 2)
+    for x, keys, pos in ((q, False, lay.pos_q), (k, True, lay.pos_k)):
+        x = x.detach().requires_grad_()
+        row = lay.rows(x, keys, backend)
+        want = x.new_zeros(lay.length, *x.shape[1:]).index_copy(0, pos, x.detach())
+        assert torch.equal(row[0], want)
+        g = torch.randn_like(row)
+        row.backward(g)
+        assert torch.equal(x.grad, g[0][pos])
+    o_row = torch.randn(lay.length, *q.shape[1:], dtype=dtype, device=DEV, requires_grad=True)
+    o = lay.unrows(o_row, backend)
+    assert torch.equal(o, o_row.detach()[lay.pos_q])
+    g = torch.randn_like(o)
+    o.backward(g)
+    assert torch.equal(o_row.grad, torch.zeros_like(o_row).index_copy(0, lay.pos_q, g))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_rows_weights_and_strided_input(backend, poison_outputs):
+    """``gather_rows`` with a per-row weight (in fp32) on a row-strided input (a slice of a
+    fused projection) equals indexing and a product."""
+    x = torch.randn(50, 3, 2, 8, device=DEV)[:, 1]  # [50, 2, 8], rows 48 elements apart
+    src = torch.randint(-1, 50, (70,), device=DEV)
+    w = torch.rand(70, device=DEV)
+    got = gather_rows(x, src, w, backend)
+    want = torch.where((src >= 0)[:, None, None], x[src.clamp_min(0)] * w[:, None, None], 0.)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert torch.equal(gather_rows(x, src, None, backend),
+                       torch.where((src >= 0)[:, None, None], x[src.clamp_min(0)], 0.))
 
 
 def test_layout_keeps_sequences_apart_and_aligned():
