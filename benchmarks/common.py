@@ -39,10 +39,10 @@ from pisa.bench import (dense_attention, dense_decode, keys_attended, peak_gb,  
 from pisa.results import default_device, meta, result_row, write_result  # noqa: E402
 
 __all__ = ["knob_sweep", "kernel_times", "time_ms", "graph_ms", "graph_warm_ms", "cuda_graph",
-           "dense_attention", "dense_backend", "pisa_backend", "dense_decode", "keys_attended", "peak_gb",
-           "reset_peak", "default_device", "meta", "result_row", "write_result", "command", "shape",
-           "randn_qkv", "fwd_bwd", "attn_tflops", "Results", "CONFIGS", "DTYPE", "BATCH", "HQ",
-           "HKV", "D", "C", "K", "W", "G_BR"]
+           "dense_attention", "dense_backend", "pisa_backend", "dense_decode", "keys_attended",
+           "peak_gb", "reset_peak", "default_device", "meta", "result_row", "write_result",
+           "command", "shape", "randn_qkv", "fwd_bwd", "attn_tflops", "Results", "CONFIGS", "DTYPE",
+           "BATCH", "HQ", "HKV", "D", "C", "K", "W", "G_BR"]
 
 # Config A
 DTYPE = torch.bfloat16
