@@ -183,9 +183,10 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
 
 
 def _packed_ids(mask_function) -> torch.Tensor | None:
-    """The ``[B, T]`` sequence ids of transformers' packed-sequence mask (5.24:
-    ``and_masks(remap_positions_for_packed_sequence(causal_mask_function, ...),
-    packed_sequence_mask_function(ids))``, recognised by its closures), else None."""
+    """The ``[B, T]`` sequence ids of transformers' packed-sequence mask, else None: ``and_masks(
+    causal, packed_sequence_mask_function(ids))`` where ``causal`` is ``causal_mask_function``
+    (transformers 5.17) or ``remap_positions_for_packed_sequence(causal_mask_function, ...)``
+    (5.24), recognised by its closures."""
     def cells(fn):
         return {name: cell.cell_contents for name, cell in
                 zip(fn.__code__.co_freevars, fn.__closure__ or ())}
@@ -194,10 +195,11 @@ def _packed_ids(mask_function) -> torch.Tensor | None:
     parts = cells(mask_function).get("mask_functions", ())
     if len(parts) != 2 or not all(callable(p) for p in parts):
         return None
-    remap, inner = parts
-    if not remap.__qualname__.startswith("remap_positions_for_packed_sequence.") \
-            or causal_mask_function not in cells(remap).values() \
-            or not inner.__qualname__.startswith("packed_sequence_mask_function."):
+    causal, inner = parts
+    remapped = getattr(causal, "__qualname__", "").startswith(
+        "remap_positions_for_packed_sequence.") and causal_mask_function in cells(causal).values()
+    if not (causal is causal_mask_function or remapped) \
+            or not getattr(inner, "__qualname__", "").startswith("packed_sequence_mask_function."):
         return None
     return cells(inner).get("packed_sequence_mask")
 

@@ -201,6 +201,27 @@ def test_packed_batch_equals_documents_one_at_a_time(rng, flash_kwargs, use_cach
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("remapped", [False, True], ids=["transformers-5.17", "5.24"])
+def test_packed_mask_of_either_transformers_form_gives_the_documents(remapped):
+    """transformers' packed-sequence mask function, as 5.17 composes it (``and_masks(causal,
+    packed)``) and as 5.24 does (its causal part remapped to each document's positions): both
+    give the documents of the row; other combinations are refused by name."""
+    from transformers.masking_utils import and_masks, causal_mask_function, \
+        packed_sequence_mask_function
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2]])
+    causal = causal_mask_function
+    if remapped:
+        from transformers.masking_utils import remap_positions_for_packed_sequence
+        causal = remap_positions_for_packed_sequence(causal, torch.tensor([[0, 1, 2, 0, 1, 0,
+                                                                            1, 2, 3]]))
+    fn = and_masks(causal, packed_sequence_mask_function(ids))
+    batch = pisa_hf.pisa_mask(1, 9, 9, mask_function=fn)
+    assert batch.cu_seqlens_q.tolist() == [0, 3, 5, 9] and batch.max_seqlen_q == 4
+    other = and_masks(lambda b, h, q, k: k <= q, packed_sequence_mask_function(ids))
+    with pytest.raises(ValueError, match="plain causal masks and packed sequences only"):
+        pisa_hf.pisa_mask(1, 9, 9, mask_function=other)
+
+
 def test_restarting_positions_are_read_once_a_forward(rng, monkeypatch):
     """Packed rows told by ``position_ids`` alone (with a cache): every layer gets the same
     tensor, so it is read (a host sync) once a forward, not once a layer; a new forward's

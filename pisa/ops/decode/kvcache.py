@@ -89,6 +89,11 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor
         if k_cache.shape[1] != block_size:
             raise ValueError(f"k_cache must be a {form} with pages of block_size={block_size} "
                              f"tokens (one leaf block a page), got {tuple(k_cache.shape)}")
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if x.shape[0] > 1 and x.stride(0) != block_size * x.stride(1):
+                raise ValueError(f"{name}, a page pool, must be contiguous across its pages "
+                                 f"(stride(0) == block_size * stride(1): token rows of every "
+                                 f"page one stride apart), got strides {x.stride()}")
         S, T = sums.shape[0] if sums.dim() == 4 else -1, block_table.shape[1] * block_size
     else:
         S, T = k_cache.shape[:2]

@@ -38,8 +38,7 @@ walk equals prefill's):
   exact LSE. Only ranked nodes' children are read, which lie wholly before the query, so the
   ``+inf`` / ``-inf`` bounds of nodes past a sequence are never loaded.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
-  keys (``select.triton.leaf_keys``, or ``_leaf_keys`` through the page table, and
-  ``leaf_scores``: one ``[g * C, D]`` load and one dot
+  keys (``select.triton.leaf_keys`` and ``leaf_scores``: one ``[g * C, D]`` load and one dot
   per parent, the next parents' keys loading meanwhile); the best ``K - #forced`` free blocks
   (``K`` with ``forced_in_budget=False``) join the sink, previous and current blocks.
 - attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
@@ -49,9 +48,7 @@ walk equals prefill's):
   ``o, lse``; several write fp32 partials that ``_combine_kernel`` merges by their LSE.
 
 Paged cache (``block_table``, ``PAGED``) and slots (``cache_batch_idx``, ``SLOT_IDX``; both
-constexprs: the contiguous step keeps its 32-bit block arithmetic, which paged addressing
-slowed by a quarter at 1M, ``docs/results_decode.md``): the walk reads only the sums, per slot; the
-leaf stage loads each scored parent's ``g`` table entries with its leaves' keys, and the attention
+constexprs): the walk reads only the sums, per slot; the leaf stage loads each scored parent's ``g`` table entries with its leaves' keys, and the attention
 the entries of the whole selected list once before its loop, then every block is one page
 (``C`` tokens). An entry the step reads outside the pool, or a slot outside the cache, gives NaN
 rows (no host check: ``kvcache.check_block_table`` is for allocation time).
@@ -205,20 +202,7 @@ def _pages(p_btb, blk, m_blk, n_pages):
 
 
 @triton.jit
-def _leaf_keys(p_kh, o_id, s_kblk, s_kt, m_leaf, C: tl.constexpr, D: tl.constexpr):
-    """The keys ``[L * C, D]`` of the full leaf pages ``o_id [L]`` (``_pages``, ``s_kblk``
-    apart); leaves outside ``m_leaf`` are not loaded (zeros)."""
-    L: tl.constexpr = o_id.shape[0]
-    o_c = tl.arange(0, C)
-    o_d = tl.arange(0, D)
-    o_key = tl.reshape(o_id.to(tl.int64)[:, None] * s_kblk + o_c.to(tl.int64)[None, :] * s_kt,
-                       [L * C])
-    m_key = tl.reshape(m_leaf[:, None] & (o_c < C)[None, :], [L * C])
-    return tl.load(p_kh + o_key[:, None] + o_d[None, :], mask=m_key[:, None], other=0.)
-
-
-@triton.jit
-def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kblk, s_kt, scale,
+def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kt, scale,
               C: tl.constexpr, G_BR: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
               WP: tl.constexpr, KS: tl.constexpr, PAGED: tl.constexpr, F32_PREC: tl.constexpr,
               STAGES: tl.constexpr):
@@ -240,12 +224,13 @@ def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kblk, s_k
         par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
         o_leaf = par * G_BR + o_c
         m_leaf = (kept | new_f) & (o_leaf >= 1) & (o_leaf <= cur - 2)
+        o_id = o_leaf  # where the leaves' rows start: block (contiguous) or page index
+        m_load = m_leaf
         if PAGED:
             o_id, m_out = _pages(p_btb, o_leaf, m_leaf, n_pages)
             n_out += tl.sum(m_out.to(tl.int32))
-            b_k = _leaf_keys(p_kh, o_id, s_kblk, s_kt, m_leaf & ~m_out, C, D)
-        else:  # the contiguous step keeps 32-bit block arithmetic (paging cost it 25%)
-            b_k = leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C, C, D, D)
+            m_load = m_leaf & ~m_out
+        b_k = leaf_keys(p_kh, s_kt, o_id, m_load, C, C, D, D)
         b_sj = tl.sum(leaf_scores(b_q, m_row, b_k, scale, 1, ROWS, C, C, 0, F32_PREC),
                       axis=0)  # [G_BR]
         m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, G_BR]
@@ -261,8 +246,8 @@ def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kblk, s_k
 def _decode_kernel(
         p_q, p_k, p_v, p_sums, p_mins, p_maxs, p_seqlens, p_bt, p_bidx, p_o, p_lse, p_idx,
         T_max, n_leaves, n_walk, n_pages, n_slots, scale, scale_log2,
-        s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kblk: tl.int64, s_kt, s_kh,
-        s_vb: tl.int64, s_vblk: tl.int64, s_vt, s_vh, s_btb: tl.int64,
+        s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
+        s_btb: tl.int64,
         s_sb: tl.int64, s_sn, s_sh,
         s_ob: tl.int64, s_oh, s_os, s_lb: tl.int64, s_lh, s_ls, s_ib: tl.int64, s_ih,
         G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
@@ -285,9 +270,10 @@ def _decode_kernel(
     ``BOUND`` (``scorer="bound"``) scores internal nodes by their children's key bounds
     ``p_maxs`` / ``p_mins`` (the layout and strides of ``p_sums``) instead of their means.
     The sequence's pyramid is row ``i_c`` of ``p_sums`` (and bounds): its slot
-    ``p_bidx[i_b]`` with ``SLOT_IDX``, else ``i_b``. Its block ``i`` starts ``i * s_kblk``
-    (``s_vblk``) after row ``i_c`` of the contiguous cache, or with ``PAGED`` at page
-    ``p_bt[i_b, i]`` of the pool (``s_kblk``: the page stride; ``s_kb = s_vb = 0``). A slot
+    ``p_bidx[i_b]`` with ``SLOT_IDX``, else ``i_b``. Its block ``i`` is key rows ``i * C ..``
+    of row ``i_c`` of the contiguous cache, or with ``PAGED`` rows ``p_bt[i_b, i] * C ..`` of
+    the pool (``s_kb = s_vb = 0``; 32-bit row arithmetic: 64-bit block offsets made the step a
+    quarter slower at 1M, ``docs/results_decode.md``). A slot
     outside ``[0, n_slots)``, or a page read outside ``[0, n_pages)``, gives NaN rows like a bad
     length (the slot, the page, read as 0).
     Writes ``o`` rows (``p_o`` at split ``i_s``: the final output, or an fp32 partial) and their
@@ -380,12 +366,12 @@ def _decode_kernel(
             b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WPL)
             b_leaf = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
             n_leaf = tl.minimum(tl.sum(m_x.to(tl.int32)), W2)
-        b_top, n_out = _leaf_top(b_q, m_row, b_leaf, n_leaf, cur, p_kh, p_btb, n_pages, s_kblk,
-                                 s_kt, scale, C, G_BR, D, ROWS, WPL, KS, PAGED, F32_PREC,
+        b_top, n_out = _leaf_top(b_q, m_row, b_leaf, n_leaf, cur, p_kh, p_btb, n_pages, s_kt,
+                                 scale, C, G_BR, D, ROWS, WPL, KS, PAGED, F32_PREC,
                                  LEAF_STAGES)
     else:
-        b_top, n_out = _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kblk,
-                                 s_kt, scale, C, G_BR, D, ROWS, WP, KS, PAGED, F32_PREC,
+        b_top, n_out = _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kt,
+                                 scale, C, G_BR, D, ROWS, WP, KS, PAGED, F32_PREC,
                                  LEAF_STAGES)
 
     # The selected blocks, ascending; at most SLOTS entries are used.
@@ -413,14 +399,12 @@ def _decode_kernel(
         m_j = o_s == i_s * KPS + j
         blk = tl.sum(tl.where(m_j, b_att + 1, 0)) - 1
         m_key = (blk >= 0) & (blk * C + o_t <= t)
+        i_id = blk  # where the block's rows start: block (contiguous) or page index
         if PAGED:
-            i_id = tl.sum(tl.where(m_j, b_id, 0)).to(tl.int64)
-            b_k = load_rows(p_kh + i_id * s_kblk, o_t.to(tl.int64) * s_kt, m_key, D)
-            b_v = load_rows(p_vh + i_id * s_vblk, o_t.to(tl.int64) * s_vt, m_key, D)
-        else:
-            o_key = (blk * C + o_t).to(tl.int64)
-            b_k = load_rows(p_kh, o_key * s_kt, m_key, D)
-            b_v = load_rows(p_vh, o_key * s_vt, m_key, D)
+            i_id = tl.sum(tl.where(m_j, b_id, 0))
+        o_key = (i_id * C + o_t).to(tl.int64)
+        b_k = load_rows(p_kh, o_key * s_kt, m_key, D)
+        b_v = load_rows(p_vh, o_key * s_vt, m_key, D)
         b_z = tl.where(m_key[None, :], dot_nt(b_q, b_k, F32_PREC) * scale_log2, float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_z, b_v, b_m, b_l, b_acc, F32_PREC)
 
@@ -634,15 +618,10 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     es = k_cache.element_size()
     stages = num_stages or _NUM_STAGES
-    # a block starts s_*blk after its sequence's first key (contiguous) or the pool (paged)
-    if paged:
-        k_strides = (0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-        v_strides = (0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    else:
-        k_strides = (k_cache.stride(0), C * k_cache.stride(1), k_cache.stride(1),
-                     k_cache.stride(2))
-        v_strides = (v_cache.stride(0), C * v_cache.stride(1), v_cache.stride(1),
-                     v_cache.stride(2))
+    # a block's rows start at block (contiguous) or page (paged) index x C: a page pool is
+    # contiguous across its pages (check_cache), so its rows are s_kt apart too
+    k_strides = (0 if paged else k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    v_strides = (0 if paged else v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     table = block_table if paged else cache_seqlens  # an unused pointer when contiguous
     slot_idx = cache_batch_idx if cache_batch_idx is not None else cache_seqlens  # unused
     _decode_kernel[(B, HKV, splits)](

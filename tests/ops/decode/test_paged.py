@@ -169,13 +169,15 @@ def _paged(seqlens=(40, 17), T=64, C=16, g=2):
     (dict(block_table=lambda t: t[:, :2]), ValueError, "sums must be"),
     (dict(block_table=lambda t: [[0]]), TypeError, "block_table must be a torch.Tensor"),
     (dict(k_pool=lambda k: k[:, :8]), ValueError, "pages of block_size=16"),
+    (dict(k_pool=lambda k: torch.cat([k, k], 1)[:, :16]), ValueError,
+     "k_cache, a page pool, must be contiguous across its pages"),
     (dict(cache_batch_idx=lambda _: torch.tensor([0, 1])), ValueError, "cache_batch_idx must"),
     (dict(cache_batch_idx=lambda _: torch.tensor([0], dtype=torch.int32)), ValueError,
      "block_table must have a row per sequence"),
 ])
 def test_check_decode_names_the_bad_paged_argument(change, exc, msg):
     """Metadata of the paged form (no host sync): dtype, dims, contiguity and rows of
-    ``block_table``, pages of one leaf block, ``cache_batch_idx``."""
+    ``block_table``, pages of one leaf block and one stride apart, ``cache_batch_idx``."""
     q, k_pool, v_pool, table, sums, lens = _paged()
     cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=2, scale=0.25)
     kw = dict(block_table=table, cache_batch_idx=None)
