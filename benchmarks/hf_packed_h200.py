@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    import transformers
     from transformers import DataCollatorWithFlattening
 
     from pisa.eval.model import tiny_llama
@@ -51,7 +52,7 @@ def main() -> None:
              if k != "labels"}
     docs = [d.to(dev) for d in docs]
     out = Results(args.out, dev, docs=lens.tolist(), layers=args.layers, width=args.width,
-                  heads=heads, kv_heads=kv)
+                  heads=heads, kv_heads=kv, transformers=transformers.__version__)
 
     with torch.no_grad():
         packed = model(**batch, use_cache=False).logits[0].float()
