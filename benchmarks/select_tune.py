@@ -29,7 +29,7 @@ from pisa.ops.utils.config import (BEAM_LEAF, QUERY_TILE, SCORER, TILE_REDUCE, S
 GRID = {
     "walk": dict(walk_warps=(2, 4, 8), walk_stages=(1, 2, 3)),
     "leaf": dict(leaf_warps=(4, 8), leaf_stages=(1, 2, 3), leaf_rows=(64, 128, 256)),
-    "chunk": dict(leaf_chunk=(1024, 4096, 16384)),
+    "chunk": dict(leaf_chunk=(256, 512, 1024, 2048, 4096, 16384)),
     "topk": dict(topk_warps=(1, 2, 4, 8)),
     "residuals": dict(residuals=(False,)),  # changes near-tie rankings: see ``same``
 }

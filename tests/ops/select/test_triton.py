@@ -8,6 +8,8 @@ shows up as a mismatch.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,14 +64,15 @@ def test_pyramid_select_matches_naive(case):
 
 def test_deep_pyramid_and_leaf_chunks(monkeypatch):
     """Nine levels (Tk = 1024, C = 4): the walk skips the top levels (at most W causal nodes) and
-    scores the rest. Then with leaf-stage chunks of 3 queries (``LEAF_CHUNK``, 4096 by default:
+    scores the rest. Then with leaf-stage chunks of 3 queries (``LEAF_CHUNK``, 1024 by default:
     longer prefills have several), whose groups straddle chunk borders: the same selection."""
     C, Tk, Tq, HKV = 4, 1024, 6, 1
     q, k = inputs(1, Tk, Tq, HKV, 2, 16, seed=8)
     cfg = SelectConfig(block_size=C, topk=5, branching=2, beam=3, selector="pyramid", scale=0.3)
     want = naive_select(q, k, cfg)
     assert_same(_triton(q, k, cfg), want, "deep pyramid")
-    monkeypatch.setattr(select_triton, "LEAF_CHUNK", 3)
+    monkeypatch.setattr(select_triton, "_KCFG",
+                        dataclasses.replace(select_triton._KCFG, leaf_chunk=3))
     assert_same(_triton(q, k, cfg), want, "deep pyramid, 3-query leaf chunks")
 
 

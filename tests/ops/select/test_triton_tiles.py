@@ -8,6 +8,8 @@ included. The GPU section runs bf16 at the training shapes against the torch bac
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -84,14 +86,15 @@ def test_one_token_tiles_are_todays_selection():
 
 
 def test_tile_leaf_chunks(monkeypatch):
-    """Leaf-stage chunks of 3 tiles (``LEAF_CHUNK`` query rows a chunk: 4096 by default), whose
+    """Leaf-stage chunks of 3 tiles (``LEAF_CHUNK`` query rows a chunk: 1024 by default), whose
     groups straddle chunk borders, select the same; a deep pyramid (Tk = 1024, C = 4: nine
     levels) skips its top levels."""
     q, k = inputs(1, 1024, 70, 1, 4, 16, seed=8)
     cfg = _cfg(4, 5, 2, 2, W2=4, Qt=4, reduce="qmean")
     want = naive_select(q, k, cfg)
     assert_same(_triton(q, k, cfg), want, "deep pyramid")
-    monkeypatch.setattr(select_triton, "LEAF_CHUNK", 3)
+    monkeypatch.setattr(select_triton, "_KCFG",
+                        dataclasses.replace(select_triton._KCFG, leaf_chunk=3))
     assert_same(_triton(q, k, cfg), want, "3-tile leaf chunks")
 
 
