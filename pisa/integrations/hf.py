@@ -43,7 +43,8 @@ except ImportError as e:  # transformers 4 has no CacheLayerMixin
 
 from ..api import pisa_attn, pisa_attn_varlen, pisa_attn_with_kvcache
 from ..cache import PisaCache
-from ..ops.utils.config import BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig
+from ..ops.utils.config import BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig, resolve_backend
+from ..ops.utils.varlen import RowGather, inverse_rows
 
 NAME = "pisa"
 # PISA knobs read from the model config as ``config.pisa_<name>`` (e.g. ``config.pisa_topk``).
@@ -66,7 +67,8 @@ class PackedBatch:
     """The sequences of a padded or packed batch, found once per forward by ``pisa_mask`` and
     handed to every layer as its ``attention_mask``: ``pisa_attn_varlen``'s arguments over the
     real tokens of the flattened ``[B * Tq]`` queries and ``[B * Tk]`` keys (``rows_q`` /
-    ``rows_k``: their flat indices; ``None`` when every token is real, as in packing)."""
+    ``rows_k``: their flat indices, ``inv_q`` / ``inv_k`` the inverse maps, -1 at padding;
+    ``None`` when every token is real, as in packing)."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
@@ -74,6 +76,8 @@ class PackedBatch:
     max_seqlen_k: int
     rows_q: torch.Tensor | None = None
     rows_k: torch.Tensor | None = None
+    inv_q: torch.Tensor | None = None
+    inv_k: torch.Tensor | None = None
 
 
 def _varlen_forward(query, key, value, packed: PackedBatch, scaling, knobs):
@@ -82,13 +86,15 @@ def _varlen_forward(query, key, value, packed: PackedBatch, scaling, knobs):
     B, _, Tq, _ = query.shape
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
                for x in (query, key, value))
-    if packed.rows_q is not None:
-        q = q.index_select(0, packed.rows_q)
-        k, v = k.index_select(0, packed.rows_k), v.index_select(0, packed.rows_k)
+    padded = packed.rows_q is not None
+    if padded:  # gathers both ways (RowGather): no index_copy, no index_add in the backward
+        gather = "triton" if resolve_backend(knobs["backend"], q) == "triton" else "torch"
+        q = RowGather.apply(q, packed.rows_q, packed.inv_q, gather)
+        k, v = (RowGather.apply(x, packed.rows_k, packed.inv_k, gather) for x in (k, v))
     o = pisa_attn_varlen(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q,
                          packed.max_seqlen_k, scale=scaling, **knobs)
-    if packed.rows_q is not None:
-        o = o.new_zeros(B * Tq, *o.shape[1:]).index_copy(0, packed.rows_q, o)
+    if padded:  # zeros at padding
+        o = RowGather.apply(o, packed.inv_q, packed.rows_q, gather)
     return o.view(B, Tq, *o.shape[1:])
 
 
@@ -227,8 +233,9 @@ def _padded_batch(mask_k: torch.Tensor, q_length: int) -> PackedBatch:
     mask_q = mask_k[:, -q_length:]
     lens_q, lens_k = mask_q.sum(1), mask_k.sum(1)
     longest = torch.stack([lens_q.max(), lens_k.max()]).tolist()  # the one host sync
-    return PackedBatch(_cu_seqlens(lens_q), _cu_seqlens(lens_k), *longest,
-                       mask_q.flatten().nonzero().flatten(), mask_k.flatten().nonzero().flatten())
+    rows_q, rows_k = mask_q.flatten().nonzero().flatten(), mask_k.flatten().nonzero().flatten()
+    return PackedBatch(_cu_seqlens(lens_q), _cu_seqlens(lens_k), *longest, rows_q, rows_k,
+                       inverse_rows(rows_q, mask_q.numel()), inverse_rows(rows_k, mask_k.numel()))
 
 
 def pisa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,

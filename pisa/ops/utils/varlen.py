@@ -145,11 +145,11 @@ def varlen_layout(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k:
     sink_q = start[seq_q]
     blk0 = torch.full((n_blocks,), -1, dtype=torch.int32, device=cu_k.device)
     blk0[pos_q // C] = sink_q.to(torch.int32)  # every query of a block writes the same value
-    return VarlenLayout(C, n_blocks, pos_q, pos_k, _inverse(pos_q, n_blocks * C),
-                        _inverse(pos_k, n_blocks * C), sink_q, blk0)
+    return VarlenLayout(C, n_blocks, pos_q, pos_k, inverse_rows(pos_q, n_blocks * C),
+                        inverse_rows(pos_k, n_blocks * C), sink_q, blk0)
 
 
-def _inverse(pos: torch.Tensor, length: int) -> torch.Tensor:
+def inverse_rows(pos: torch.Tensor, length: int) -> torch.Tensor:
     """``[length]`` int64: the index ``i`` with ``pos[i] == r`` at each ``r``, else ``-1``
     (``pos`` distinct)."""
     inv = torch.full((length,), -1, dtype=torch.int64, device=pos.device)
