@@ -31,17 +31,20 @@ D, C, K = 64, 64, 16
 V1 = dict(scorer="lse", beam_leaf=None)  # the first wave's walk: LSE of means, one beam
 
 
-def _arms(beams):
-    """``pisa`` at the library defaults (the bound scorer, ``beam_leaf=32``), the first wave's
-    walk at each beam, the flat selectors."""
-    return [("pisa", {})] + [(f"pisa v1 W={w}", dict(beam=w, **V1)) for w in beams] + [
+def _arms(beams, pisa_beams=()):
+    """``pisa`` at the library defaults (the bound scorer, ``beam_leaf=32``), and with wider
+    beams (``pisa W=w``: ``beam=w, beam_leaf=2w``, what a beam grown with the context gives at
+    a length), the first wave's walk at each beam, the flat selectors."""
+    return [("pisa", {})] + [(f"pisa W={w}", dict(beam=w, beam_leaf=2 * w)) for w in pisa_beams] \
+        + [(f"pisa v1 W={w}", dict(beam=w, **V1)) for w in beams] + [
         ("flat_mean", dict(selector="flat_mean")), ("flat_lse", dict(selector="flat_lse"))]
 
 
 def hit_rates(T: int, z: float, trials: int, beams, gen: torch.Generator,
-              chunk: int = 25) -> dict[str, float]:
+              chunk: int = 25, pisa_beams=()) -> dict[str, float]:
     """Share of ``trials`` whose needle block each selector picks, last query of ``T`` keys."""
-    hits = {name: 0 for name, _ in _arms(beams)}
+    arms = _arms(beams, pisa_beams)
+    hits = {name: 0 for name, _ in arms}
     scale = D ** -0.5
     for s in range(0, trials, chunk):
         n = min(chunk, trials - s)
@@ -52,7 +55,7 @@ def hit_rates(T: int, z: float, trials: int, beams, gen: torch.Generator,
         lift = z / (scale * q[:, 0, 0].pow(2).sum(-1))  # adds z to the needle's logit
         k[torch.arange(n), pos, 0] += lift[:, None] * q[:, 0, 0]
         block = (pos // C)[:, None]
-        for name, kw in _arms(beams):
+        for name, kw in arms:
             idx, _ = pisa_select(q, k, block_size=C, topk=K, backend="torch", **kw)
             hits[name] += int((idx[:, 0, 0] == block).any(-1).sum())
     return {name: h / trials for name, h in hits.items()}
@@ -73,7 +76,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--margins", type=float, nargs="+", default=[4.0, 6.0, 8.0, 12.0])
-    ap.add_argument("--beams", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--beams", type=int, nargs="+", default=[16, 32, 64],
+                    help="beams of the first wave's walk (pisa v1 W=w)")
+    ap.add_argument("--pisa-beams", type=int, nargs="*", default=[],
+                    help="wider beams of the default walk (pisa W=w: beam=w, beam_leaf=2w)")
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here")
@@ -87,7 +93,7 @@ def main(argv=None) -> None:
     rows = []
     for T in args.lengths:
         for z in args.margins:
-            rates = hit_rates(T, z, args.trials, args.beams, gen)
+            rates = hit_rates(T, z, args.trials, args.beams, gen, pisa_beams=args.pisa_beams)
             rows += [{"T": T, "z": z, "selector": name, "K": K, "hit_rate": r}
                      for name, r in rates.items()]
             print(f"T={T} z={z:g}: " + ", ".join(f"{n} {r:.2f}" for n, r in rates.items()),

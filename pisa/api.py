@@ -31,6 +31,12 @@ _SELECT_DOC = """
     beam_leaf: int or None. Beam kept at the lowest internal level (whose children are the
         leaves), where a wider beam recovers most of the pyramid's misses (``PISA_SPEC.md`` §11).
         Default 32 (twice the default ``topk``); None: ``beam``.
+    beam_ref_len: int or None. Grow ``beam`` and ``beam_leaf`` with the context: at ``seqlen_k``
+        keys past ``beam_ref_len`` both are multiplied by the ratio of the pyramid levels the walk
+        prunes there to those it prunes at ``beam_ref_len`` keys (``pisa.ops.utils.config.
+        grown_beams``; e.g. 16 / 32 at 8K become 48 / 96 at 128K for C = 64, g = 2), so a sharp
+        key meets a beam as wide relative to the levels it must survive. Default None: fixed
+        widths (``docs/quality.md``).
     scorer: "bound" (default) | "lse" | "mean" | "meanvar". How an internal node is scored from
         its children (and a leaf from its keys): the LogSumExp of each child's upper bound
         ``sum_d max(q_d min_d, q_d max_d)`` over per-channel key minima and maxima (a sharp key
@@ -75,7 +81,8 @@ def _empty_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk: int = _K,
                 branching: int = _G, beam: int | None = None, beam_leaf: int | None = BEAM_LEAF,
-                scorer: str = SCORER, selector: str = "pyramid", forced_in_budget: bool = True,
+                beam_ref_len: int | None = None, scorer: str = SCORER, selector: str = "pyramid",
+                forced_in_budget: bool = True,
                 scale: float | None = None, query_tile: int | None = None,
                 tile_reduce: str = TILE_REDUCE, backend: str = "auto"):
     """Select, per query tile (16 tokens by default) and KV head, the key blocks it attends (no
@@ -100,7 +107,8 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
     check_qk(q, k)
     backend = resolve_backend(backend, q)
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
-                         beam=beam, beam_leaf=beam_leaf, scorer=scorer, selector=selector,
+                         beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len,
+                         scorer=scorer, selector=selector,
                          forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
                          tile_reduce=tile_reduce)
     if _empty_batch(q):
@@ -121,7 +129,8 @@ def _given_tile(block_idx: torch.Tensor, q: torch.Tensor, query_tile: int) -> in
 
 def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = _C,
               topk: int = _K, branching: int = _G, beam: int | None = None,
-              beam_leaf: int | None = BEAM_LEAF, scorer: str = SCORER,
+              beam_leaf: int | None = BEAM_LEAF, beam_ref_len: int | None = None,
+              scorer: str = SCORER,
               selector: str = "pyramid", forced_in_budget: bool = True,
               scale: float | None = None, query_tile: int | None = None,
               tile_reduce: str = TILE_REDUCE, return_lse: bool = False,
@@ -155,7 +164,8 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     check_qk(q, k, v)
     backend = resolve_backend(backend, q)
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
-                         beam=beam, beam_leaf=beam_leaf, scorer=scorer, selector=selector,
+                         beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len,
+                         scorer=scorer, selector=selector,
                          forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
                          tile_reduce=tile_reduce)
     if not isinstance(return_lse, bool):
@@ -232,6 +242,7 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                        block_size: int = _C, topk: int = _K, branching: int = _G,
                        beam: int | None = None, beam_leaf: int | None = BEAM_LEAF,
+                       beam_ref_len: int | None = None,
                        scorer: str = SCORER, selector: str = "pyramid",
                        forced_in_budget: bool = True, scale: float | None = None,
                        query_tile: int | None = None, tile_reduce: str = TILE_REDUCE,
@@ -250,6 +261,7 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
     backend, cfg = _varlen_setup(q, k, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, backend, selector, block_size=block_size,
                                  topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
+                                 beam_ref_len=beam_ref_len,
                                  scorer=scorer, forced_in_budget=forced_in_budget, scale=scale,
                                  query_tile=query_tile, tile_reduce=tile_reduce)
     if q.shape[0] == 0:
@@ -267,7 +279,7 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, block_size: int = _C, topk: int = _K,
                      branching: int = _G, beam: int | None = None,
-                     beam_leaf: int | None = BEAM_LEAF,
+                     beam_leaf: int | None = BEAM_LEAF, beam_ref_len: int | None = None,
                      scorer: str = SCORER, selector: str = "pyramid",
                      forced_in_budget: bool = True, scale: float | None = None,
                      query_tile: int | None = None, tile_reduce: str = TILE_REDUCE,
@@ -292,6 +304,7 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     backend, cfg = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, backend, selector, block_size=block_size,
                                  topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
+                                 beam_ref_len=beam_ref_len,
                                  scorer=scorer, forced_in_budget=forced_in_budget, scale=scale,
                                  query_tile=query_tile, tile_reduce=tile_reduce)
     if not isinstance(return_lse, bool):
@@ -344,6 +357,7 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
                            block_table: torch.Tensor | None = None,
                            cache_batch_idx: torch.Tensor | list[int] | None = None,
                            topk: int = _K, beam: int | None = None, beam_leaf: int | None = None,
+                           beam_ref_len: int | None = None,
                            scorer: str = SelectConfig.scorer, selector: str = "pyramid",
                            forced_in_budget: bool = True, scale: float | None = None,
                            query_tile: int | None = SelectConfig.query_tile,
@@ -398,15 +412,16 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
             slots, in any order (``PagedPisaCache.live_slots``). Default: every slot, in order.
             Checked like ``block_table`` (host: on CPU and in chunked prefill; a CUDA decode
             step gives NaN rows for a slot outside the cache).
-        topk, beam, beam_leaf, scorer, selector, forced_in_budget, scale, query_tile,
-            tile_reduce: as in ``pisa_attn``, but the defaults are the per-token walk
+        topk, beam, beam_leaf, beam_ref_len, scorer, selector, forced_in_budget, scale,
+            query_tile, tile_reduce: as in ``pisa_attn``, but the defaults are the per-token walk
             (``scorer="lse"``, ``query_tile=1``: decode's measured bar,
-            ``docs/results_decode.md``); ``selector="auto"`` chooses by the cache's
-            ``max_seqlen``. A decode step is always per token (``query_tile`` applies to chunked
-            prefill only). ``scorer="bound"`` reads the cache's per-node key bounds, built on
-            first use (one O(max_seqlen) pass and an allocation: not inside a CUDA-graph capture;
-            not with ``cache_batch_idx`` or a caller's ``block_table``) unless the cache was made
-            with ``bounds=True``; a cache with bounds keeps them current at every append.
+            ``docs/results_decode.md``); ``selector="auto"`` and ``beam_ref_len`` go by the
+            cache's ``max_seqlen``. A decode step is always per token (``query_tile`` applies to
+            chunked prefill only). ``scorer="bound"`` reads the cache's per-node key bounds,
+            built on first use (one O(max_seqlen) pass and an allocation: not inside a
+            CUDA-graph capture; not with ``cache_batch_idx`` or a caller's ``block_table``)
+            unless the cache was made with ``bounds=True``; a cache with bounds keeps them
+            current at every append.
         return_lse: bool. Also return the log-normaliser. Default False.
         backend: "auto" (default: Triton on CUDA when installed, else torch) | "torch" | "triton"
             | "naive" (the fp64 oracle, one sequence at a time; tiny inputs only).
@@ -445,6 +460,7 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
     # selector="auto" by the cache's capacity
     cfg = resolve_config(q, None, backend, block_size=cache.block_size, topk=topk,
                          branching=cache.branching, beam=beam, beam_leaf=beam_leaf,
+                         beam_ref_len=beam_ref_len,
                          scorer=scorer, selector=selector, forced_in_budget=forced_in_budget,
                          scale=scale, query_tile=query_tile, tile_reduce=tile_reduce,
                          seqlen_k=cache.max_seqlen)

@@ -523,7 +523,8 @@ def _setup(q, k, group, layout, backend, knobs):
 def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,
                    layout: str | ShardLayout = "zigzag", block_size: int = _C, topk: int = _K,
                    branching: int = _G, beam: int | None = None, beam_leaf: int | None = BEAM_LEAF,
-                   scorer: str = SCORER, selector: str = "pyramid", forced_in_budget: bool = True,
+                   beam_ref_len: int | None = None, scorer: str = SCORER, selector: str = "pyramid",
+                   forced_in_budget: bool = True,
                    scale: float | None = None, query_tile: int | None = None,
                    tile_reduce: str = TILE_REDUCE,
                    backend: str = "auto") -> torch.Tensor:
@@ -534,7 +535,7 @@ def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,
     single-process ``block_idx`` (along its rows, with ``block_size // query_tile`` rows a
     block). No gradient."""
     knobs = dict(block_size=block_size, topk=topk, branching=branching, beam=beam,
-                 beam_leaf=beam_leaf, scorer=scorer, selector=selector,
+                 beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
                  forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
                  tile_reduce=tile_reduce)
     backend, lay, cfg = _setup(q, k, group, layout, backend, knobs)
@@ -544,7 +545,8 @@ def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,
 def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
                  layout: str | ShardLayout = "zigzag", block_size: int = _C, topk: int = _K,
                  branching: int = _G, beam: int | None = None, beam_leaf: int | None = BEAM_LEAF,
-                 scorer: str = SCORER, selector: str = "pyramid", forced_in_budget: bool = True,
+                 beam_ref_len: int | None = None, scorer: str = SCORER, selector: str = "pyramid",
+                 forced_in_budget: bool = True,
                  scale: float | None = None, query_tile: int | None = None,
                  tile_reduce: str = TILE_REDUCE,
                  return_lse: bool = False, deterministic: bool = False, backend: str = "auto"):
@@ -564,9 +566,9 @@ def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=Non
             sit in the sequence (module docstring; ``shard`` cuts a full tensor accordingly).
             "contiguous" shards may have different lengths, multiples of ``block_size`` except
             the last rank's. A ``ShardLayout`` (``shard_layout``) skips the all-gather of lengths.
-        block_size, topk, branching, beam, beam_leaf, scorer, selector, forced_in_budget, scale,
-            query_tile, tile_reduce, deterministic, backend: as in ``pisa_attn``
-            (``selector="auto"`` decides by the global length).
+        block_size, topk, branching, beam, beam_leaf, beam_ref_len, scorer, selector,
+            forced_in_budget, scale, query_tile, tile_reduce, deterministic, backend: as in
+            ``pisa_attn`` (``selector="auto"`` and ``beam_ref_len`` go by the global length).
         return_lse: bool. Also return the log-normaliser of this rank's queries. Default False.
 
     Returns:
@@ -585,7 +587,7 @@ def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=Non
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     knobs = dict(block_size=block_size, topk=topk, branching=branching, beam=beam,
-                 beam_leaf=beam_leaf, scorer=scorer, selector=selector,
+                 beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
                  forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
                  tile_reduce=tile_reduce)
     backend, lay, cfg = _setup(q, k, group, layout, backend, knobs)

@@ -70,6 +70,38 @@ def test_default_selection_is_16_token_qmean_bound_tiles(rng):
                                pisa_attn(q, k, v, **kw, **PER_TOKEN), rtol=1e-10, atol=1e-10)
 
 
+def test_beam_ref_len_is_the_grown_beams_in_every_entry_point(rng):
+    """``beam_ref_len`` resolves to wider beams by the key length (``grown_beams``: 4 / 8 at 256
+    keys are 12 / 24 at 1024 for C = 16, g = 2): ``pisa_select``, ``pisa_attn``, the varlen form
+    (its longest sequence), a decode step (the cache's capacity) and ``PisaAttention`` give what
+    the explicit widths give, and the grown walk keeps more than the fixed one prunes."""
+    from pisa import PisaAttention, PisaCache, pisa_attn_varlen, pisa_attn_with_kvcache
+    q, k, v = _qkv(Tq=1024, Tk=1024, dtype=torch.float64)
+    base = dict(block_size=16, topk=6, beam=4, beam_leaf=8, backend="torch", **{
+        n: v for n, v in PER_TOKEN.items() if n != "beam_leaf"})
+    grown = dict(base, beam=12, beam_leaf=24)
+    ref = dict(base, beam_ref_len=256)
+    for a, b in zip(pisa_select(q, k, **ref), pisa_select(q, k, **grown)):
+        assert torch.equal(a, b)
+    assert not torch.equal(pisa_select(q, k, **ref)[0], pisa_select(q, k, **base)[0])
+    torch.testing.assert_close(pisa_attn(q, k, v, **ref), pisa_attn(q, k, v, **grown),
+                               rtol=0, atol=0)
+    cu = torch.tensor([0, 1024], dtype=torch.int32)
+    torch.testing.assert_close(pisa_attn_varlen(q[0], k[0], v[0], cu, cu, 1024, 1024, **ref),
+                               pisa_attn_varlen(q[0], k[0], v[0], cu, cu, 1024, 1024, **grown),
+                               rtol=0, atol=0)
+    cache = PisaCache.from_prefill(k[:, :1023], v[:, :1023], block_size=16, max_seqlen=1024)
+    step = {n: x for n, x in ref.items() if n not in ("block_size", "query_tile", "tile_reduce")}
+    want = {n: x for n, x in grown.items() if n not in ("block_size", "query_tile",
+                                                          "tile_reduce")}
+    o_ref = pisa_attn_with_kvcache(q[:, -1:], cache, k[:, -1:], v[:, -1:], **step)
+    cache = PisaCache.from_prefill(k[:, :1023], v[:, :1023], block_size=16, max_seqlen=1024)
+    o_grown = pisa_attn_with_kvcache(q[:, -1:], cache, k[:, -1:], v[:, -1:], **want)
+    torch.testing.assert_close(o_ref, o_grown, rtol=0, atol=0)
+    layer = PisaAttention(32, 4, 2, **{n: x for n, x in ref.items() if n != "backend"})
+    assert layer.pisa_kwargs["beam_ref_len"] == 256
+
+
 def test_naive_and_torch_backends_agree_through_the_api(rng):
     q, k, v = _qkv(Tq=90, Tk=90, dtype=torch.float64)
     kw = dict(block_size=8, topk=5, beam=3, scorer="meanvar")

@@ -50,7 +50,7 @@ NAME = "pisa"
 # PISA knobs read from the model config as ``config.pisa_<name>`` (e.g. ``config.pisa_topk``).
 PISA_DEFAULTS = {"block_size": SelectConfig.block_size, "topk": SelectConfig.topk,
                  "branching": SelectConfig.branching, "beam": None, "beam_leaf": BEAM_LEAF,
-                 "scorer": SCORER, "selector": SelectConfig.selector,
+                 "beam_ref_len": None, "scorer": SCORER, "selector": SelectConfig.selector,
                  "forced_in_budget": SelectConfig.forced_in_budget,
                  "query_tile": None, "tile_reduce": TILE_REDUCE,
                  "backend": "auto"}

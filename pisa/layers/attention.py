@@ -12,9 +12,9 @@ from ..ops.utils.config import SelectConfig, check_knobs, check_positive_int
 ATTN_MODES = ("pisa", "dense")
 # The ``pisa_attn`` keyword arguments a layer forwards (``return_lse`` and ``block_idx`` depend on
 # the call, not the layer).
-PISA_KWARGS = ("block_size", "topk", "branching", "beam", "beam_leaf", "scorer", "selector",
-               "forced_in_budget", "scale", "query_tile", "tile_reduce", "deterministic",
-               "backend")
+PISA_KWARGS = ("block_size", "topk", "branching", "beam", "beam_leaf", "beam_ref_len", "scorer",
+               "selector", "forced_in_budget", "scale", "query_tile", "tile_reduce",
+               "deterministic", "backend")
 
 
 def rotary_tables(seqlen: int, head_dim: int, theta: float, device, offset: int = 0,
@@ -72,8 +72,8 @@ class PisaAttention(nn.Module):
             (always sparse: no SDPA path; ``attn="dense"`` is refused).
         cp_layout: ``"zigzag"`` (default) or ``"contiguous"``, the shards' layout.
         **pisa_kwargs: forwarded to ``pisa_attn`` (block_size, topk, branching, beam,
-            beam_leaf, scorer, selector, forced_in_budget, scale, query_tile, tile_reduce,
-            deterministic, backend), checked here at
+            beam_leaf, beam_ref_len, scorer, selector, forced_in_budget, scale, query_tile,
+            tile_reduce, deterministic, backend), checked here at
             construction (``pisa.ops.utils.config.check_knobs``; with ``backend="auto"`` the
             block size is bounded by the widest range, the torch one). ``scale`` (default
             ``head_dim ** -0.5``) is the softmax scale on every path, SDPA included.

@@ -13,7 +13,7 @@ from dataclasses import astuple, dataclass
 
 import torch
 
-from .geometry import cdiv
+from .geometry import cdiv, level_sizes
 
 SCORERS = ("lse", "mean", "meanvar", "bound")
 SELECTORS = ("pyramid", "flat_lse", "flat_mean", "auto")
@@ -157,7 +157,8 @@ def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = Select
                 forced_in_budget: bool = SelectConfig.forced_in_budget,
                 scale: float | None = None, backend: str = "torch",
                 query_tile: int | None = SelectConfig.query_tile, beam_leaf: int | None = None,
-                tile_reduce: str = SelectConfig.tile_reduce) -> None:
+                tile_reduce: str = SelectConfig.tile_reduce,
+                beam_ref_len: int | None = None) -> None:
     """Check the selection knobs without tensors (``resolve_config`` runs this first; objects made
     before their inputs exist, such as ``PisaAttention``, run it at construction): a
     ``TypeError`` naming a knob of the wrong type, a ``ValueError`` naming one out of range.
@@ -179,7 +180,7 @@ def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = Select
         raise ValueError(
             f"topk must be an int >= {min_topk} (the {MAX_FORCED} forced blocks count inside the "
             f"budget when forced_in_budget=True), got {topk!r}")
-    for name, width in (("beam", beam), ("beam_leaf", beam_leaf)):
+    for name, width in (("beam", beam), ("beam_leaf", beam_leaf), ("beam_ref_len", beam_ref_len)):
         if width is not None:
             _check_int(name, width)
             if width < 1:
@@ -218,6 +219,31 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
+def pruned_levels(n_keys: int, block_size: int, branching: int, beam: int) -> int:
+    """The internal levels of the pyramid of ``n_keys`` keys that hold more than ``beam`` nodes:
+    those a walk of that beam ranks and prunes (one more each time the context grows
+    ``branching``-fold)."""
+    return sum(n > beam for n in level_sizes(cdiv(n_keys, block_size), branching)[1:])
+
+
+def grown_beams(beam: int, beam_leaf: int | None, n_keys: int, ref_len: int, block_size: int,
+                branching: int) -> tuple[int, int | None]:
+    """``(beam, beam_leaf)`` grown for a context of ``n_keys`` keys from their widths at
+    ``ref_len`` keys: both times ``pruned_levels(n_keys) / pruned_levels(ref_len)`` (the
+    reference's count at least 1), rounded up, when ``n_keys > ref_len``; unchanged otherwise.
+    A needle must survive every pruned level, so the beam grows with their number: the
+    selection's work grows by the same factor, O(N log^2 N) in all instead of O(N log N)
+    (``docs/quality.md``). ``beam_leaf=None`` (the beam) stays None."""
+    if n_keys <= ref_len:
+        return beam, beam_leaf
+    ref = max(pruned_levels(ref_len, block_size, branching, beam), 1)
+    factor = pruned_levels(n_keys, block_size, branching, beam) / ref
+    if factor <= 1:
+        return beam, beam_leaf
+    return (math.ceil(beam * factor),
+            None if beam_leaf is None else math.ceil(beam_leaf * factor))
+
+
 def resolve_config(q: torch.Tensor, k: torch.Tensor | None, backend: str, *,
                    block_size: int = SelectConfig.block_size, topk: int = SelectConfig.topk,
                    branching: int = SelectConfig.branching, beam: int | None = None,
@@ -226,6 +252,7 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor | None, backend: str, *,
                    scale: float | None = None, query_tile: int | None = SelectConfig.query_tile,
                    beam_leaf: int | None = None,
                    tile_reduce: str = SelectConfig.tile_reduce,
+                   beam_ref_len: int | None = None,
                    seqlen_k: int | None = None) -> SelectConfig:
     """Check the selection knobs for the resolved ``backend`` and fill in defaults (``beam``:
     ``topk``; ``scale``: ``D ** -0.5``; ``query_tile``: ``min(QUERY_TILE, block_size)``;
@@ -234,20 +261,25 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor | None, backend: str, *,
     cache's capacity); raise
     ``ValueError`` (or ``TypeError``, for a knob of the wrong type) naming the bad one.
     ``beam_leaf=None`` stays ``None``: it means ``beam`` (``SelectConfig.beam_at``), so that a
-    config made with ``SelectConfig(beam=...)`` and a resolved one compare equal."""
+    config made with ``SelectConfig(beam=...)`` and a resolved one compare equal.
+    ``beam_ref_len``: ``beam`` and ``beam_leaf`` grow with the key length past it
+    (``grown_beams``)."""
     check_knobs(block_size=block_size, topk=topk, branching=branching, beam=beam, scorer=scorer,
                 selector=selector, forced_in_budget=forced_in_budget, scale=scale,
                 backend=backend, query_tile=query_tile, beam_leaf=beam_leaf,
-                tile_reduce=tile_reduce)
+                tile_reduce=tile_reduce, beam_ref_len=beam_ref_len)
+    n_keys = k.shape[1] if seqlen_k is None else seqlen_k
     if beam is None:
         beam = topk
+    if beam_ref_len is not None:
+        beam, beam_leaf = grown_beams(beam, beam_leaf, n_keys, beam_ref_len, block_size,
+                                      branching)
     if query_tile is None:
         query_tile = min(QUERY_TILE, block_size)
     if scale is None:
         scale = default_scale(q.shape[-1])
     if selector == "auto":
-        selector = "flat_lse" if (k.shape[1] if seqlen_k is None else seqlen_k) \
-            < AUTO_CROSSOVER_T else "pyramid"
+        selector = "flat_lse" if n_keys < AUTO_CROSSOVER_T else "pyramid"
     return SelectConfig(block_size, topk, branching, beam, scorer, selector,
                         bool(forced_in_budget), float(scale), query_tile, beam_leaf, tile_reduce)
 

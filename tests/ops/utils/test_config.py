@@ -7,7 +7,7 @@ import torch
 
 from pisa.ops.utils.config import (AUTO_CROSSOVER_T, BLOCK_SIZES, MAX_FORCED, SelectConfig,
                                    check_block_idx, check_block_idx_values, check_geometry,
-                                   resolve_backend, resolve_config)
+                                   grown_beams, pruned_levels, resolve_backend, resolve_config)
 
 
 def _qk(T=64, D=16):
@@ -271,3 +271,30 @@ def test_n_query_tiles_counts_the_aligned_tiles_touched():
             for Tq in range(0, Tk + 1):
                 want = len({t // Qt for t in range(Tk - Tq, Tk)})
                 assert n_query_tiles(Tq, Tk, Qt) == want, (Tq, Tk, Qt)
+
+
+def test_grown_beams_scale_with_the_pruned_levels():
+    """``beam_ref_len``: past the reference length both beams are multiplied by the ratio of the
+    internal levels holding more than ``beam`` nodes (C = 64, g = 2, W = 16: 2 at 8K, 4 at 32K,
+    6 at 128K); up to it, or with None, nothing changes; ``beam_leaf=None`` stays None."""
+    assert [pruned_levels(T, 64, 2, 16) for T in (8192, 32768, 131072)] == [2, 4, 6]
+    assert grown_beams(16, 32, 8192, 8192, 64, 2) == (16, 32)
+    assert grown_beams(16, 32, 32768, 8192, 64, 2) == (32, 64)
+    assert grown_beams(16, 32, 131072, 8192, 64, 2) == (48, 96)
+    assert grown_beams(16, None, 131072, 8192, 64, 2) == (48, None)
+    assert grown_beams(16, 32, 4096, 8192, 64, 2) == (16, 32)
+    # a reference too short to prune anything counts as one level
+    assert grown_beams(16, 32, 32768, 1024, 64, 2) == (64, 128)
+    q, k = torch.randn(1, 8, 4, 16), torch.randn(1, 32768, 2, 16)
+    cfg = resolve_config(q, k, "torch", block_size=64, topk=16, beam_leaf=32, beam_ref_len=8192)
+    assert (cfg.beam, cfg.beam_leaf) == (32, 64)
+    cap = resolve_config(q, None, "torch", block_size=64, topk=16, beam_ref_len=8192,
+                         seqlen_k=131072)  # a cache's capacity, a packed batch's longest
+    assert cap.beam == 48
+
+
+@pytest.mark.parametrize("bad,err", [(0, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_beam_ref_len_must_be_a_positive_int(bad, err):
+    q, k = _qk()
+    with pytest.raises(err, match="beam_ref_len"):
+        resolve_config(q, k, "torch", beam_ref_len=bad)
