@@ -91,9 +91,9 @@ def test_beam_ref_len_is_the_grown_beams_in_every_entry_point(rng):
                                pisa_attn_varlen(q[0], k[0], v[0], cu, cu, 1024, 1024, **grown),
                                rtol=0, atol=0)
     cache = PisaCache.from_prefill(k[:, :1023], v[:, :1023], block_size=16, max_seqlen=1024)
-    step = {n: x for n, x in ref.items() if n not in ("block_size", "query_tile", "tile_reduce")}
-    want = {n: x for n, x in grown.items() if n not in ("block_size", "query_tile",
-                                                          "tile_reduce")}
+    prefill_only = ("block_size", "query_tile", "tile_reduce")
+    step = {n: x for n, x in ref.items() if n not in prefill_only}
+    want = {n: x for n, x in grown.items() if n not in prefill_only}
     o_ref = pisa_attn_with_kvcache(q[:, -1:], cache, k[:, -1:], v[:, -1:], **step)
     cache = PisaCache.from_prefill(k[:, :1023], v[:, :1023], block_size=16, max_seqlen=1024)
     o_grown = pisa_attn_with_kvcache(q[:, -1:], cache, k[:, -1:], v[:, -1:], **want)

@@ -51,8 +51,9 @@ Paged cache (``block_table``, ``PAGED``) and slots (``cache_batch_idx``, ``SLOT_
 constexprs): the walk reads only the sums, per slot; the leaf stage loads each scored parent's
 ``g`` table entries with its leaves' keys, and the attention the entries of the whole selected
 list once before its loop, then every block is one page (``C`` tokens), addressed as rows
-``page * C + row`` of the pool like a contiguous block. An entry the step reads outside the pool, or a slot outside the cache, gives NaN
-rows (no host check: ``kvcache.check_block_table`` is for allocation time).
+``page * C + row`` of the pool like a contiguous block. An entry the step reads outside the
+pool, or a slot outside the cache, gives NaN rows (no host check: ``kvcache.check_block_table``
+is for allocation time).
 
 A step is a chain of dependent memory round trips (each ranked level's child sums depend on the
 level above); ``num_stages`` lets each loop load its next tiles while it scores the current one.
