@@ -42,12 +42,15 @@ class Results:
         for r in self.rows:
             key = (r["task"], (r["arm"], r["K"], r["schedule"]), r["test_T"])
             self.cells.setdefault(key, []).append(r["value"])
-        # the pisa runs re-evaluated with a wider walk: config (arm, K, schedule, W)
+        # the pisa runs re-evaluated with a wider walk: config (arm, K, schedule, W), W "grown"
+        # for beams grown past the training length (beam_ref_len)
         for r in result.get("beam_rows", []):
-            key = (r["task"], (r["arm"], r["K"], r["schedule"], r["W"]), r["test_T"])
+            W = "grown" if r["W"] is None else r["W"]
+            key = (r["task"], (r["arm"], r["K"], r["schedule"], W), r["test_T"])
             self.cells.setdefault(key, []).append(r["value"])
         self.wide = sorted({k[1] for k in self.cells if len(k[1]) == 4},
-                           key=lambda c: (_config_key(c[:3]), c[3]))
+                           key=lambda c: (_config_key(c[:3]), isinstance(c[3], str), str(c[3])
+                                          if isinstance(c[3], str) else c[3]))
         self.tasks = sorted({k[0] for k in self.cells}, key=lambda t: (
             t.startswith("lm"), (RETRIEVAL + HARD + (t,)).index(t), t))
         self.configs = sorted({k[1] for k in self.cells if len(k[1]) == 3}, key=_config_key)

@@ -323,8 +323,10 @@ def evaluate(model: GPT, args, val_data: torch.Tensor, record: dict, out: Path, 
 
 def eval_beams(model: GPT, args, record: dict, base: dict) -> bool:
     """The pisa arm's task accuracy with wider walks (beam ``W = mult * K`` for each
-    ``--eval-beams`` mult), the trained weights unchanged: how much of a loss is the walk's
-    pruning. Rows go to ``record["beam_rows"]`` (with ``W``); False if the deadline cut it."""
+    ``--eval-beams`` mult; with ``--eval-grown`` also beams grown past the training length,
+    ``beam_ref_len = train_T``, at the longer test lengths: ``W`` None), the trained weights
+    unchanged: how much of a loss is the walk's pruning. Rows go to ``record["beam_rows"]``
+    (with ``W``); False if the deadline cut it."""
     for mult, T in itertools.product(args.eval_beams, sorted(args.test_T)):
         model.set_beam(mult * args.topk)
         for task in TASKS:
@@ -335,6 +337,18 @@ def eval_beams(model: GPT, args, record: dict, base: dict) -> bool:
                                         "value": task_accuracy(model, task, T, args),
                                         "steps": record["steps"]})
     model.set_beam(None)
+    if args.eval_grown:  # beams grown with the context past the training length
+        model.set_beam_ref_len(args.train_T)
+        for T in sorted(t for t in args.test_T if t > args.train_T):
+            for task in TASKS:
+                if time.time() > args.eval_deadline:
+                    return False
+                record["beam_rows"].append({"task": task, **base, "W": None,
+                                            "beam_ref_len": args.train_T, "test_T": T,
+                                            "metric": "accuracy",
+                                            "value": task_accuracy(model, task, T, args),
+                                            "steps": record["steps"]})
+        model.set_beam_ref_len(None)
     return True
 
 
@@ -430,6 +444,7 @@ def _child_argv(args, run: dict, work: Path, corpus: Path, deadlines) -> list[st
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     for name in LISTS:  # also when empty: the default may not be
         argv += ["--" + name.replace("_", "-"), *map(str, getattr(args, name))]
+    argv.append("--eval-grown" if args.eval_grown else "--no-eval-grown")
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
     else:
@@ -614,8 +629,8 @@ def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: floa
     m = meta(args.device, command)
     m.update({
         "config": {name: getattr(args, name) for name in SHARED}
-        | {"test_T": args.test_T, "eval_beams": args.eval_beams, "lr": args.lr,
-           "seeds": args.seeds, "arms": args.arms,
+        | {"test_T": args.test_T, "eval_beams": args.eval_beams, "eval_grown": args.eval_grown,
+           "lr": args.lr, "seeds": args.seeds, "arms": args.arms,
            "warmup_arms": args.warmup_arms, "time_budget": args.time_budget,
            "curriculum": args.phases, "gpus": args.gpus},
         "tasks": list(TRAIN_TASKS), "corpus": corpus_info, "calibration": calib,
@@ -708,6 +723,8 @@ def parse_args(argv=None):
     ap.add_argument("--eval-examples", type=int, default=32)
     ap.add_argument("--eval-beams", type=int, nargs="*", default=[2, 4], metavar="MULT",
                     help="pisa runs: also evaluate the tasks with beam W = MULT * K")
+    ap.add_argument("--eval-grown", action=argparse.BooleanOptionalAction, default=True,
+                    help="pisa runs: also evaluate past train_T with beam_ref_len = train_T")
     ap.add_argument("--lm-windows", type=int, default=8)
     ap.add_argument("--lm-past", type=int, default=2048)
     ap.add_argument("--eval-tokens", type=int, default=65536, help="tokens per eval forward")

@@ -121,6 +121,13 @@ class GPT(nn.Module):
                 if self.cfg.arm == "pisa":
                     block.attn.pisa_kwargs["beam_leaf"] = BEAM_LEAF if beam is None else 2 * beam
 
+    def set_beam_ref_len(self, ref_len: int | None) -> None:
+        """The pisa arms' beams grow past ``ref_len`` keys from now on (``beam_ref_len``;
+        ``None``: fixed widths); the flat arms ignore it."""
+        if self.cfg.arm.startswith("pisa"):
+            for block in self.blocks:
+                block.attn.pisa_kwargs["beam_ref_len"] = ref_len
+
     def set_context_parallel(self, group, layout: str = "zigzag") -> None:
         """Shard the sequence over the ranks of ``group`` from now on (``pisa.distributed``; the
         sparse arms only): ``forward`` then takes this rank's shard of the ids

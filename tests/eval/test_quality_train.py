@@ -61,8 +61,11 @@ def check_rows(rows, arms, lengths, steps):
 
 
 def check_beam_rows(result, beams, lengths):
-    """pisa runs (both walks): every task re-evaluated at each wider beam; other arms: none."""
-    got = result["beam_rows"]
+    """pisa runs (both walks): every task re-evaluated at each wider beam, and past the training
+    length with beams grown from it (``W`` None, ``beam_ref_len`` = train_T); other arms:
+    none."""
+    got = [r for r in result["beam_rows"] if r["W"] is not None]
+    grown = [r for r in result["beam_rows"] if r["W"] is None]
     pisa = [r for r in result["rows"]
             if r["arm"] in ("pisa", "pisa_qt1") and r["metric"] == "accuracy"]
     assert len(got) == len(beams) * len(pisa)
@@ -71,6 +74,11 @@ def check_beam_rows(result, beams, lengths):
         assert r["metric"] == "accuracy" and 0.0 <= r["value"] <= 1.0 and r["test_T"] in lengths
     assert {(r["task"], r["test_T"], r["seed"]) for r in got} == \
         {(r["task"], r["test_T"], r["seed"]) for r in pisa}
+    for r in grown:
+        assert set(r) == ROW_KEYS | {"W", "beam_ref_len"} and r["beam_ref_len"] == r["train_T"]
+        assert r["metric"] == "accuracy" and 0.0 <= r["value"] <= 1.0
+    assert {(r["task"], r["test_T"], r["seed"]) for r in grown} == \
+        {(r["task"], r["test_T"], r["seed"]) for r in pisa if r["test_T"] > r["train_T"]}
 
 
 @pytest.mark.parametrize("arm,schedule", [("dense", "sparse"), ("pisa", "sparse"),
@@ -89,6 +97,25 @@ def test_every_arm_trains_and_evaluates(arm, schedule, site, tmp_path):
     check_rows(rec["rows"], {arm}, {512}, 3)
     check_beam_rows(rec, {8, 16}, {512})
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == rec["rows"]
+
+
+def test_pisa_past_the_training_length_is_also_evaluated_with_grown_beams(site, tmp_path):
+    """A test length past train_T: the pisa run's tasks there again with ``beam_ref_len`` =
+    train_T (``--eval-grown``, the default), as beam rows with ``W`` None; ``--no-eval-grown``
+    leaves them out."""
+    threads = torch.get_num_threads()
+    try:
+        args = ["--run", "r", "--arm", "pisa", "--topk", "4", "--steps", "2", "--site",
+                str(site), "--out", str(tmp_path)] + TINY + ["--test-T", "512", "1024",
+                                                             "--eval-beams", "2"]
+        rec = _script().main(args)
+        off = _script().main(args + ["--no-eval-grown", "--run", "r2"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rec["status"] == "done"
+    check_beam_rows(rec, {8}, {512, 1024})
+    assert {r["test_T"] for r in rec["beam_rows"] if r["W"] is None} == {1024}
+    assert all(r["W"] is not None for r in off["beam_rows"])
 
 
 def test_a_curriculum_run_trains_at_each_length_then_evaluates(site, tmp_path):
