@@ -238,17 +238,22 @@ def test_restarting_positions_are_read_once_a_forward(rng, monkeypatch):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_padded_batch_equals_documents_one_at_a_time(rng, side):
-    _, sparse = _pair()
-    docs = _docs()
-    T = max(DOCS)
+def _padded(docs, side="right"):
+    """``docs`` as one padded batch: ids, the 2D attention mask and restarting positions."""
+    T = max(len(d) for d in docs)
     ids = torch.zeros(len(docs), T, dtype=torch.long)
     mask = torch.zeros(len(docs), T, dtype=torch.long)
     for i, d in enumerate(docs):
         sl = slice(T - len(d), T) if side == "left" else slice(0, len(d))
         ids[i, sl], mask[i, sl] = d, 1
-    position_ids = (mask.cumsum(1) - 1).clamp_min(0)
+    return ids, mask, (mask.cumsum(1) - 1).clamp_min(0)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_documents_one_at_a_time(rng, side):
+    _, sparse = _pair()
+    docs = _docs()
+    ids, mask, position_ids = _padded(docs, side)
     with torch.no_grad():
         got = sparse(ids, attention_mask=mask, position_ids=position_ids).logits
     for i, ref in enumerate(_one_at_a_time(sparse, docs)):
@@ -261,14 +266,10 @@ def test_padded_batch_gradients_equal_documents_one_at_a_time(rng):
     are gathers both ways; padding gets none)."""
     _, sparse = _pair()
     docs = _docs()
-    T = max(DOCS)
-    ids = torch.zeros(len(docs), T, dtype=torch.long)
-    mask = torch.zeros(len(docs), T, dtype=torch.long)
-    for i, d in enumerate(docs):
-        ids[i, :len(d)], mask[i, :len(d)] = d, 1
+    ids, mask, position_ids = _padded(docs)
     weights = [torch.randn(len(d), sparse.config.vocab_size) for d in docs]
     params = [p for p in sparse.parameters() if p.requires_grad]
-    logits = sparse(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0)).logits
+    logits = sparse(ids, attention_mask=mask, position_ids=position_ids).logits
     loss = sum((logits[i, :len(d)] * w).sum() for i, (d, w) in enumerate(zip(docs, weights)))
     got = torch.autograd.grad(loss, params)
     want = [torch.zeros_like(p) for p in params]
@@ -285,11 +286,8 @@ def test_left_padded_generate_equals_documents_one_at_a_time(rng):
     calls) gives each prompt's own continuation."""
     _, sparse = _pair()
     docs = [torch.randint(2, 128, (n,)) for n in (FITS + 5, 9)]
-    T = max(len(d) for d in docs)
-    ids = torch.zeros(len(docs), T, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, d in enumerate(docs):
-        ids[i, T - len(d):], mask[i, T - len(d):] = d, 1
+    ids, mask, _ = _padded(docs, "left")
+    T = ids.shape[1]
     # min_new_tokens: no early EOS (id 1, which random weights emit at times): a prompt that
     # ends alone stops there, while in the batch it goes on padded, and the lengths differ
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
