@@ -5,6 +5,8 @@ separate zero fill); a gather by the inverse map writes each output element once
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -36,11 +38,10 @@ def _gather_rows_kernel(p_x, p_src, p_w, p_out, M, s_x: tl.int64, F: tl.constexp
 def gather_rows_triton(x: torch.Tensor, src: torch.Tensor,
                        weight: torch.Tensor | None = None) -> torch.Tensor:
     """``varlen.gather_rows`` (inputs as there) in one Triton kernel."""
-    N, M = x.shape[0], src.shape[0]
-    x2 = x.reshape(N, -1)
+    N, M, F = x.shape[0], src.shape[0], math.prod(x.shape[1:])
+    x2 = x.reshape(N, F)  # a view where it can be (a row-strided slice of a fused projection)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    F = x2.shape[1]
     out = torch.empty(M, *x.shape[1:], dtype=x.dtype, device=x.device)
     if poisoned() and out.is_floating_point():
         out.fill_(float("nan"))
