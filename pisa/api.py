@@ -66,6 +66,35 @@ _SELECT_DOC = """
 """
 
 
+_VARLEN_DOC = """
+    Arguments:
+        q: (total_q, nheads, headdim), fp16/bf16/fp32: the queries of ``n_seq`` sequences packed
+            back to back (FlashAttention's ``flash_attn_varlen_func`` layout).
+        k, v: (total_k, nheads_k, headdim), same dtype/device; GQA when nheads_k < nheads.
+        cu_seqlens_q, cu_seqlens_k: (n_seq + 1,) int32, the cumulative sequence lengths:
+            sequence ``i`` is rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` (0 first, the total last,
+            non-decreasing; empty sequences are allowed). Its queries are the last ``len_q_i``
+            of its ``len_k_i`` positions (``len_q_i <= len_k_i``: bottom-right causal).
+        max_seqlen_q, max_seqlen_k: int, at least the longest sequence of each. The launch is
+            sized from them and the shapes, so the call has no host sync; values of CUDA
+            ``cu_seqlens`` are checked by asynchronous device asserts, of CPU ones exactly
+            (``ValueError`` naming the argument).
+
+    Every sequence is selected and attended alone: one pyramid per sequence, its first block
+    the sink, blocks and query tiles aligned to its start; no key of another sequence is ever
+    scored or attended. Knobs as in ``pisa_attn`` (``docs/varlen.md``), except that
+    ``selector="auto"`` decides by ``max_seqlen_k`` for all sequences.
+""" + _SELECT_DOC
+
+
+def _knob_docs(fn):
+    """Put the shared argument texts into ``fn``'s docstring at its ``{_SELECT_DOC}`` /
+    ``{_VARLEN_DOC}`` line (a docstring must be a literal to be one)."""
+    for name, text in (("_SELECT_DOC", _SELECT_DOC), ("_VARLEN_DOC", _VARLEN_DOC)):
+        fn.__doc__ = fn.__doc__.replace("    {" + name + "}\n", "    " + text + "\n")
+    return fn
+
+
 def _empty_batch(q: torch.Tensor) -> bool:
     """A zero-size batch (``B = 0`` or ``Tq = 0``; zero heads or head dims fail ``check_qk``):
     the public functions return empty results of the right shapes without running an op."""
@@ -79,6 +108,7 @@ def _empty_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return o, o.float().sum(-1).transpose(1, 2).contiguous()
 
 
+@_knob_docs
 def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk: int = _K,
                 branching: int = _G, beam: int | None = None, beam_leaf: int | None = BEAM_LEAF,
                 beam_ref_len: int | None = None, scorer: str = SCORER, selector: str = "pyramid",
@@ -94,7 +124,7 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
             Queries are the last ``seqlen_q`` positions of the keys (bottom-right causal).
             ``batch == 0`` or ``seqlen_q == 0`` gives empty outputs; no heads or ``headdim == 0``
             is a ``ValueError``.
-    """ + _SELECT_DOC + """
+    {_SELECT_DOC}
     Returns:
         block_idx: (batch, n_tiles, nheads_k, slots) int32, ascending, -1 padded; ``slots`` is
             ``topk`` (or ``topk + 3`` when ``forced_in_budget=False``). A row per query tile:
@@ -127,6 +157,7 @@ def _given_tile(block_idx: torch.Tensor, q: torch.Tensor, query_tile: int) -> in
     return 1 if per_token else query_tile
 
 
+@_knob_docs
 def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = _C,
               topk: int = _K, branching: int = _G, beam: int | None = None,
               beam_leaf: int | None = BEAM_LEAF, beam_ref_len: int | None = None,
@@ -143,7 +174,7 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         k, v: (batch, seqlen_k, nheads_k, headdim), same dtype/device; GQA when nheads_k < nheads.
             Queries are the last ``seqlen_q`` positions of the keys (bottom-right causal).
             ``batch == 0`` or ``seqlen_q == 0`` gives empty outputs (and zero gradients).
-    """ + _SELECT_DOC + """
+    {_SELECT_DOC}
     return_lse: bool. Also return the softmax log-normaliser, to merge with other partial
         attention results. Default False.
     block_idx: optional (batch, seqlen_q, nheads_k, S) int32 precomputed selection (ascending,
@@ -186,27 +217,6 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     return (o, lse) if return_lse else o
 
 
-_VARLEN_DOC = """
-    Arguments:
-        q: (total_q, nheads, headdim), fp16/bf16/fp32: the queries of ``n_seq`` sequences packed
-            back to back (FlashAttention's ``flash_attn_varlen_func`` layout).
-        k, v: (total_k, nheads_k, headdim), same dtype/device; GQA when nheads_k < nheads.
-        cu_seqlens_q, cu_seqlens_k: (n_seq + 1,) int32, the cumulative sequence lengths:
-            sequence ``i`` is rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` (0 first, the total last,
-            non-decreasing; empty sequences are allowed). Its queries are the last ``len_q_i``
-            of its ``len_k_i`` positions (``len_q_i <= len_k_i``: bottom-right causal).
-        max_seqlen_q, max_seqlen_k: int, at least the longest sequence of each. The launch is
-            sized from them and the shapes, so the call has no host sync; values of CUDA
-            ``cu_seqlens`` are checked by asynchronous device asserts, of CPU ones exactly
-            (``ValueError`` naming the argument).
-
-    Every sequence is selected and attended alone: one pyramid per sequence, its first block
-    the sink, blocks and query tiles aligned to its start; no key of another sequence is ever
-    scored or attended. Knobs as in ``pisa_attn`` (``docs/varlen.md``), except that
-    ``selector="auto"`` decides by ``max_seqlen_k`` for all sequences.
-""" + _SELECT_DOC
-
-
 def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
                   selector, **knobs):
     """Check packed inputs, resolve the backend and the knobs: ``(backend, cfg)``."""
@@ -238,6 +248,7 @@ def _varlen_select(q, k_row, lay: VarlenLayout, cfg: SelectConfig, backend: str,
     return select(q_row.detach(), k_row.detach(), cfg, backend, blk0=lay.blk0)
 
 
+@_knob_docs
 def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                        block_size: int = _C, topk: int = _K, branching: int = _G,
@@ -249,7 +260,7 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
                        backend: str = "auto"):
     """``pisa_select`` of packed sequences (no gradient): per query token and KV head, the blocks
     of its own sequence it attends.
-    """ + _VARLEN_DOC + """
+    {_VARLEN_DOC}
     Returns:
         block_idx: (total_q, nheads_k, slots) int32, ascending, -1 padded: block ids counted from
             the first block of the token's sequence (row ``j`` equals row ``j - cu_seqlens_q[i]``
@@ -275,6 +286,7 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
     return idx, cnt[0].index_select(0, rows)
 
 
+@_knob_docs
 def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, block_size: int = _C, topk: int = _K,
@@ -288,7 +300,7 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      backend: str = "auto"):
     """``pisa_attn`` of packed sequences, modeled on ``flash_attn_varlen_func``: each sequence's
     output equals ``pisa_attn`` on it alone.
-    """ + _VARLEN_DOC + """
+    {_VARLEN_DOC}
     return_lse: bool. Also return the log-normaliser. Default False.
     block_idx: optional (total_q, nheads_k, S) int32 selection per query token, block ids
         counted from its sequence's first block (``pisa_select_varlen``'s layout; checked as in
