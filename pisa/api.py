@@ -83,7 +83,7 @@ _VARLEN_DOC = """
     Every sequence is selected and attended alone: one pyramid per sequence, its first block
     the sink, blocks and query tiles aligned to its start; no key of another sequence is ever
     scored or attended. Knobs as in ``pisa_attn`` (``docs/varlen.md``), except that
-    ``selector="auto"`` decides by ``max_seqlen_k`` for all sequences.
+    ``selector="auto"`` and ``beam_ref_len`` decide by ``max_seqlen_k`` for all sequences.
 """ + _SELECT_DOC
 
 
