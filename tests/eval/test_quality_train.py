@@ -279,7 +279,8 @@ def test_every_arm_trains_on_gpu_at_the_suite_shapes(arm, schedule, tmp_path):
 
 
 def test_tables_pool_launches_and_show_wider_walks(tmp_path):
-    """Two launches (different arms) render as one page; beam rows get their own tables."""
+    """Two launches (different arms) render as one page; beam rows (wider and grown walks) get
+    their own tables."""
     def launch(arms, date):
         rows, beam_rows = [], []
         for arm, seed, T in itertools.product(arms, (0, 1), (512, 1024)):
@@ -290,6 +291,9 @@ def test_tables_pool_launches_and_show_wider_walks(tmp_path):
             if arm == "pisa":
                 beam_rows += [{"task": t, **base, "W": 8, "metric": "accuracy",
                                "value": 0.75} for t in TASK_ROWS]
+                if T > 512:  # grown beams past the training length (--eval-grown)
+                    beam_rows += [{"task": t, **base, "W": None, "beam_ref_len": 512,
+                                   "metric": "accuracy", "value": 0.625} for t in TASK_ROWS]
         meta = {"device": "cpu", "torch": "x", "triton": "y", "date": date,
                 "command": f"launch {date}", "config": {"train_T": 512},
                 "runs": [{"name": a, "lr": 1e-3} for a in arms],
@@ -309,6 +313,7 @@ def test_tables_pool_launches_and_show_wider_walks(tmp_path):
     assert "Launches pooled on this page: `launch d0` (d0); `launch d1` (d1)" in text
     assert "## PISA with wider walks (same weights)" in text
     assert "| pisa K=4 W=8 | 0.750 ± 0.000 (n=2) | 0.750 ± 0.000 (n=2) |" in text
+    assert "| pisa K=4 W=grown | - | 0.625 ± 0.000 (n=2) |" in text
     assert "| flat_mean K=4 | 0.500 ± 0.000 (n=2) | 0.500 ± 0.000 (n=2) |" in text
     assert "pisa K=4 W=8 ≥ flat_mean K=4 on every retrieval task beyond the training length: " \
            "PASS" in text
