@@ -11,8 +11,8 @@ from .ops.decode import decode_step, prefill_with_cache
 from .ops.decode.kvcache import (check_batch_idx, check_block_table, check_cache,
                                  check_new_kv, check_seqlens, write_kv)
 from .ops.select import select
-from .ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig,
-                               check_block_idx, check_block_idx_values, check_qk, n_query_tiles,
+from .ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig, check_block_idx,
+                               check_block_idx_values, check_qk, knobs_of, n_query_tiles,
                                resolve_backend, resolve_config)
 from .ops.utils.varlen import VarlenLayout, check_varlen, varlen_layout
 
@@ -136,11 +136,7 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
     """
     check_qk(q, k)
     backend = resolve_backend(backend, q)
-    cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
-                         beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len,
-                         scorer=scorer, selector=selector,
-                         forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
-                         tile_reduce=tile_reduce)
+    cfg = resolve_config(q, k, backend, **knobs_of(locals()))
     if _empty_batch(q):
         B, HKV = q.shape[0], k.shape[2]
         rows = n_query_tiles(q.shape[1], k.shape[1], cfg.query_tile)
@@ -194,11 +190,7 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     """
     check_qk(q, k, v)
     backend = resolve_backend(backend, q)
-    cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
-                         beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len,
-                         scorer=scorer, selector=selector,
-                         forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
-                         tile_reduce=tile_reduce)
+    cfg = resolve_config(q, k, backend, **knobs_of(locals()))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
@@ -218,8 +210,9 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
 
 
 def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
-                  selector, **knobs):
-    """Check packed inputs, resolve the backend and the knobs: ``(backend, cfg)``."""
+                  knobs: dict):
+    """Check packed inputs, resolve the backend and the knobs (``knobs_of``): ``(backend,
+    cfg)``."""
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_qk(q[None], k[None], None if v is None else v[None])
     backend = resolve_backend(backend, q)
@@ -227,8 +220,7 @@ def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise ValueError("backend='naive' has no packed-sequence form: use 'torch' or 'triton' "
                          "(or the naive pisa_attn on each sequence)")
     # selector="auto": one choice for every sequence, by the longest
-    cfg = resolve_config(q[None], k[None], backend, selector=selector, seqlen_k=max_seqlen_k,
-                         **knobs)
+    cfg = resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k, **knobs)
     return backend, cfg
 
 
@@ -270,11 +262,7 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
         counts: (total_q, nheads_k) int32, the number of valid entries per row.
     """
     backend, cfg = _varlen_setup(q, k, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, backend, selector, block_size=block_size,
-                                 topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
-                                 beam_ref_len=beam_ref_len,
-                                 scorer=scorer, forced_in_budget=forced_in_budget, scale=scale,
-                                 query_tile=query_tile, tile_reduce=tile_reduce)
+                                 max_seqlen_k, backend, knobs_of(locals()))
     if q.shape[0] == 0:
         return (q.new_full((0, k.shape[1], cfg.slots), -1, dtype=torch.int32),
                 q.new_zeros((0, k.shape[1]), dtype=torch.int32))
@@ -314,11 +302,7 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             layout).
     """
     backend, cfg = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, backend, selector, block_size=block_size,
-                                 topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
-                                 beam_ref_len=beam_ref_len,
-                                 scorer=scorer, forced_in_budget=forced_in_budget, scale=scale,
-                                 query_tile=query_tile, tile_reduce=tile_reduce)
+                                 max_seqlen_k, backend, knobs_of(locals()))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
@@ -470,12 +454,9 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
         raise ValueError("k_new and v_new must be given together")
     backend = resolve_backend(backend, q)
     # selector="auto" by the cache's capacity
-    cfg = resolve_config(q, None, backend, block_size=cache.block_size, topk=topk,
-                         branching=cache.branching, beam=beam, beam_leaf=beam_leaf,
-                         beam_ref_len=beam_ref_len,
-                         scorer=scorer, selector=selector, forced_in_budget=forced_in_budget,
-                         scale=scale, query_tile=query_tile, tile_reduce=tile_reduce,
-                         seqlen_k=cache.max_seqlen)
+    cfg = resolve_config(q, None, backend, seqlen_k=cache.max_seqlen,
+                         **knobs_of(locals(), block_size=cache.block_size,
+                                    branching=cache.branching))
     own = cache_seqlens is None
     if own:
         lens = cache.cache_seqlens if idx is None else _rows(cache.cache_seqlens, idx)

@@ -53,7 +53,7 @@ from .ops.attn import sparse_attn
 from .ops.pyramid.torch_backend import leaf_summaries, pyramid_from_leaves
 from .ops.select import select
 from .ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig,
-                               check_knobs, check_qk, resolve_backend, resolve_config)
+                               check_knobs, check_qk, knobs_of, resolve_backend, resolve_config)
 from .ops.utils.geometry import cdiv
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -534,11 +534,7 @@ def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,
     token, or per query tile of each range with ``query_tile > 1``): ``shard`` of the
     single-process ``block_idx`` (along its rows, with ``block_size // query_tile`` rows a
     block). No gradient."""
-    knobs = dict(block_size=block_size, topk=topk, branching=branching, beam=beam,
-                 beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
-                 forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
-                 tile_reduce=tile_reduce)
-    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs)
+    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs_of(locals()))
     return torch.cat(_select_cp(q.detach(), k.detach(), lay, cfg, backend, group), dim=1)
 
 
@@ -586,11 +582,7 @@ def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=Non
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    knobs = dict(block_size=block_size, topk=topk, branching=branching, beam=beam,
-                 beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
-                 forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
-                 tile_reduce=tile_reduce)
-    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs)
+    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs_of(locals()))
     B, H = k.shape[0], k.shape[2]
     block_idx = _select_cp(q.detach(), k.detach(), lay, cfg, backend, group)
     with torch.no_grad():

@@ -7,14 +7,12 @@ from torch import nn
 
 from ..api import pisa_attn
 from ..distributed import LAYOUTS, pisa_attn_cp, shard_layout
-from ..ops.utils.config import SelectConfig, check_knobs, check_positive_int
+from ..ops.utils.config import KNOBS, SelectConfig, check_knobs, check_positive_int
 
 ATTN_MODES = ("pisa", "dense")
 # The ``pisa_attn`` keyword arguments a layer forwards (``return_lse`` and ``block_idx`` depend on
 # the call, not the layer).
-PISA_KWARGS = ("block_size", "topk", "branching", "beam", "beam_leaf", "beam_ref_len", "scorer",
-               "selector", "forced_in_budget", "scale", "query_tile", "tile_reduce",
-               "deterministic", "backend")
+PISA_KWARGS = KNOBS + ("deterministic", "backend")
 
 
 def rotary_tables(seqlen: int, head_dim: int, theta: float, device, offset: int = 0,

@@ -48,6 +48,17 @@ SCORER = "bound"
 TILE_REDUCE = "qmean"
 BEAM_LEAF = 32  # 2 x the default topk; None: beam
 
+# The selection knobs every entry point takes and hands to ``resolve_config`` (``knobs_of`` picks
+# them from a call's arguments), in one place: a new knob is added here and to the signatures.
+KNOBS = ("block_size", "topk", "branching", "beam", "beam_leaf", "beam_ref_len", "scorer",
+         "selector", "forced_in_budget", "scale", "query_tile", "tile_reduce")
+
+
+def knobs_of(args: dict, **override) -> dict:
+    """The ``KNOBS`` among a call's arguments ``args`` (its ``locals()``), with ``override``."""
+    return {**{name: args[name] for name in KNOBS if name in args}, **override}
+
+
 # resolved once at import: torch.compile cannot trace importlib inside pisa_attn
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
