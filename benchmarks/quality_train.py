@@ -39,6 +39,14 @@ Protocol
   the time left (``plan_steps``; ``--steps`` fixes it instead). ``--time-budget`` is a hard wall:
   training stops at its deadline (the steps reached are recorded), evaluation at its own, and the
   launcher terminates what still runs before the budget ends.
+- Shared start (``--share-start``, on with ``--steps``): the curriculum's first steps, where
+  every arm attends every block (``T <= K * C``), are the same computation for every arm of a
+  seed (same initialisation, data and learning rate; ``PisaAttention`` runs SDPA there as the
+  dense arm does), so one dense "stem" per seed trains them, saves weights, optimizer and data
+  stream, and every run of that seed resumes it (bitwise equal to training straight through on
+  CPU: ``tests/eval/test_quality_train.py``). ``--stem-dir`` keeps the stems for a later launch
+  with the same settings (``stem_key``), so arms split over several launches share them too.
+  ``meta.stems`` and each run's ``stem`` record it.
 - Learning rate: tuned on dense only: the ``--sweep`` multipliers of ``--lr`` run as extra dense
   seed-0 runs; ``meta.lr_sweep`` compares them with the main dense seed-0 run. The default 1e-3
   won the sweep 2.5e-4 / 5e-4 / 1e-3 on task accuracy (``docs/quality_trained_lr5e-4.md``).
@@ -183,12 +191,39 @@ def _loss(model: GPT, tokens, weights, device):
     return ce * weights
 
 
+def save_state(path: Path, model: GPT, opt, gen: torch.Generator, step: int, acc, n_acc: int,
+               record: dict) -> None:
+    """Everything the rest of a run depends on after ``step`` steps: weights, optimizer, data
+    stream, the loss accumulator and the curve so far."""
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                "step": step, "acc": acc, "n_acc": n_acc, "curve": record["curve"],
+                "seconds": record["train_seconds"]}, path)
+
+
+def load_state(path: str, model: GPT, opt, gen: torch.Generator, record: dict):
+    """Continue from :func:`save_state`'s file (the stem); ``(step, acc, n_acc)``."""
+    state = torch.load(path, map_location=next(model.parameters()).device, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    gen.set_state(state["gen"])
+    record["curve"] = list(state["curve"])
+    record["stem"] = {"file": Path(path).name, "steps": state["step"],
+                      "train_seconds": state["seconds"]}
+    return state["step"], state["acc"], state["n_acc"]
+
+
 def train(model: GPT, args, train_data: torch.Tensor, record: dict, log) -> None:
-    """Train until ``args.steps`` (or the step count the launcher sets) or the train deadline."""
+    """Train until ``args.steps`` (or the step count the launcher sets) or the train deadline;
+    from ``args.resume``'s state if given; with ``args.stop_at``, stop after that many steps and
+    save the state to ``args.save_state`` (a stem that other runs resume)."""
     dev = args.device
     opt = _optimizer(model, args)
     params = list(model.parameters())
     gen = torch.Generator(dev).manual_seed(1000 + args.seed)
+    acc = torch.zeros(len(TRAIN_TASKS), device=dev)
+    start, n_acc = 0, 0
+    if args.resume:
+        start, acc, n_acc = load_state(args.resume, model, opt, gen, record)
     sync_dir = Path(args.sync) if args.sync else None
     if sync_dir:  # compile every kernel of the sparse phase, then wait for every other run
         tokens, weights, _ = train_batch(args.batch, args.train_T,
@@ -203,12 +238,15 @@ def train(model: GPT, args, train_data: torch.Tensor, record: dict, log) -> None
     switch = 0 if args.schedule == "sparse" else None
     if steps is not None and switch is None:
         switch = round(args.warmup_frac * steps)
-    acc = torch.zeros(len(TRAIN_TASKS), device=dev)
-    n_acc, t_start, t_calib = 0, time.time(), None
+    t_start, t_calib = time.time(), None
     model.train()
-    for step in itertools.count():
+    for step in itertools.count(start):
         if steps is not None and step >= steps or time.time() > args.train_deadline:
             break
+        if step == args.stop_at:
+            record["train_seconds"] = round(time.time() - t_start, 2)
+            save_state(Path(args.save_state), model, opt, gen, step, acc, n_acc, record)
+            return
         if sync_dir and steps is None and step in (CALIB_FROM, CALIB_TO):
             _sync(dev)
             if step == CALIB_FROM:
@@ -369,6 +407,10 @@ def run_one(args) -> dict:
     print(f"# {args.run}: {record['params']} parameters, device {args.device}", file=log,
           flush=True)
     train(model, args, train_data, record, log)
+    if args.stop_at is not None:
+        record["status"] = "stem saved" if record["steps"] == args.stop_at else "stem cut short"
+        _write_atomic(out / f"{args.run}.json", record)
+        return record
     record["status"] = "trained"
     _write_atomic(out / f"{args.run}.json", record)
     evaluate(model, args, val_data, record, out, log)
@@ -432,6 +474,26 @@ SHARED = ("train_T", "batch", "width", "depth", "heads", "kv_heads", "mlp", "blo
           "backend", "warmup_frac", "lr_warmup", "min_lr_frac", "wd", "clip", "eval_examples",
           "lm_windows", "lm_past", "eval_tokens", "log_every", "device", "threads")
 LISTS = ("test_T", "curriculum", "eval_beams")  # list-valued options every run shares
+
+
+def stem_steps(args, runs: list[dict]) -> int:
+    """Steps at the curriculum's start that every run of the suite computes alike: dense
+    attention (``T <= K * C`` for every sparse run; ``PisaAttention`` runs SDPA there, as the
+    dense arm does), the same initialisation, data and learning rate per seed. One stem per seed
+    trains them and every run of that seed resumes from its state (``--share-start``; the step
+    count must be fixed). 0: nothing to share."""
+    reach = min((r["K"] * args.block_size for r in runs if r["K"]), default=None)
+    if args.steps is None or not args.share_start or reach is None:
+        return 0
+    return next((s for s in range(args.steps) if length_at(s, args.steps, args)[1] > reach),
+                args.steps)
+
+
+def stem_key(args, seed: int, steps: int) -> dict:
+    """What a stem's state depends on: a saved stem with the same key is reused."""
+    return {name: getattr(args, name) for name in SHARED if name not in ("device", "threads")} \
+        | {"lr": args.lr, "steps": args.steps, "curriculum": args.phases, "seed": seed,
+           "stem_steps": steps}
 
 
 def _child_argv(args, run: dict, work: Path, corpus: Path, deadlines) -> list[str]:
@@ -549,18 +611,63 @@ def launch(args) -> dict:
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                         os.environ.get("PYTHONPATH")])))
     procs = {}
-    for i, run in enumerate(runs):  # round robin over the GPUs, as plan_steps assumes
+
+    def start(run: dict, gpu: int, extra: list[str]) -> None:
         if args.gpus > 1:
-            env["CUDA_VISIBLE_DEVICES"] = str(i % args.gpus)
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu % args.gpus)
         with open(work / f"{run['name']}.log", "w") as f:
             procs[run["name"]] = subprocess.Popen(
-                _child_argv(args, run, work, corpus_path, deadlines), stdout=f,
+                _child_argv(args, run, work, corpus_path, deadlines) + extra, stdout=f,
                 stderr=subprocess.STDOUT, env=env)
+
+    shared_steps = stem_steps(args, runs)
+    stem_dir = Path(args.stem_dir) if args.stem_dir else work
+    stem_dir.mkdir(parents=True, exist_ok=True)
+    waiting = {}  # seed -> runs that resume its stem once it is saved
+    stems = []
+    for run in runs:
+        if shared_steps and not run["sweep"]:
+            waiting.setdefault(run["seed"], []).append(run)
+    for seed in waiting:
+        stems.append({"name": f"stem_s{seed}", "arm": "dense", "K": None, "seed": seed,
+                      "schedule": "sparse", "lr": args.lr, "sweep": False})
+        state, key = stem_dir / f"stem_s{seed}.pt", stem_key(args, seed, shared_steps)
+        sidecar = state.with_suffix(".key.json")
+        if state.exists() and sidecar.exists() and json.loads(sidecar.read_text()) == \
+                json.loads(json.dumps(key)):
+            saved = torch.load(state, map_location="cpu", weights_only=False)
+            _write_atomic(work / f"stem_s{seed}.json",
+                          {"status": f"reused {state}", "steps": saved["step"],
+                           "train_seconds": saved["seconds"]})
+            continue
+        sidecar.unlink(missing_ok=True)
+        state.unlink(missing_ok=True)  # a stale state must not stand in for a failed stem
+        start(stems[-1], len(stems) - 1, ["--stop-at", str(shared_steps), "--save-state",
+                                          str(state)])
+    if stems:
+        _say(f"[launch] the first {shared_steps} steps (dense for every arm) are trained once "
+             f"per seed (stems in {stem_dir}): " + ", ".join(
+                 s["name"] + (" (reused)" if s["name"] not in procs else "") for s in stems),
+             log)
+    for i, run in enumerate(runs):  # round robin over the GPUs, as plan_steps assumes
+        if run["seed"] not in waiting or run["sweep"]:
+            start(run, i, [])
     calib = None if args.steps is not None else \
         calibrate(procs, runs, work / "sync", t0 + args.ready_timeout, deadlines[0],
                   args.gpus, log)
     last = 0.0
-    while _alive(procs) and time.time() < end - 8:
+    while (_alive(procs) or waiting) and time.time() < end - 8:
+        for seed in [s for s in waiting
+                     if f"stem_s{s}" not in procs or procs[f"stem_s{s}"].poll() is not None]:
+            state = stem_dir / f"stem_s{seed}.pt"
+            resume = ["--resume", str(state)] if state.exists() else []
+            if not resume:
+                _say(f"[launch] stem_s{seed} saved no state: its runs start from step 0", log)
+            elif f"stem_s{seed}" in procs:  # just trained: reusable by a later launch
+                _write_atomic(state.with_suffix(".key.json"),
+                              stem_key(args, seed, shared_steps))
+            for run in waiting.pop(seed):
+                start(run, runs.index(run), resume)
         time.sleep(1)
         if time.time() - last > 60:
             last = time.time()
@@ -579,7 +686,7 @@ def launch(args) -> dict:
         if p.returncode:
             _say(f"[launch] {name} exited with {p.returncode}; its log ends:\n"
                  + _tail(work / f"{name}.log"), log)
-    result = merge(args, runs, work, corpus_info, calib, t0)
+    result = merge(args, runs, work, corpus_info, calib, t0, stems)
     write_result(out / "quality_trained.json", result["meta"], result["rows"],
                  beam_rows=result["beam_rows"])
     log.close()
@@ -601,18 +708,23 @@ def _tail(path: Path, n: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
-def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: float) -> dict:
+def _run_info(run: dict, rec: dict) -> dict:
+    return {k: run[k] for k in ("name", "arm", "K", "seed", "schedule", "lr", "sweep")} \
+        | {k: rec.get(k) for k in ("status", "steps", "target_steps", "sec_per_step",
+                                   "train_seconds", "eval_seconds", "params", "stem")}
+
+
+def _record(work: Path, name: str) -> dict:
+    path = work / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {"status": "no record", "rows": []}
+
+
+def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: float,
+          stems: list[dict] = ()) -> dict:
     rows, beam_rows, run_info, records = [], [], [], {}
     for run in runs:
-        path = work / f"{run['name']}.json"
-        rec = json.loads(path.read_text()) if path.exists() else {"status": "no record",
-                                                                   "rows": []}
-        records[run["name"]] = rec
-        run_info.append({k: run[k] for k in ("name", "arm", "K", "seed", "schedule", "lr",
-                                             "sweep")}
-                        | {k: rec.get(k) for k in ("status", "steps", "target_steps",
-                                                   "sec_per_step", "train_seconds",
-                                                   "eval_seconds", "params")})
+        rec = records[run["name"]] = _record(work, run["name"])
+        run_info.append(_run_info(run, rec))
         if not run["sweep"]:
             rows += rec["rows"]
             beam_rows += rec.get("beam_rows", [])
@@ -632,9 +744,10 @@ def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: floa
         | {"test_T": args.test_T, "eval_beams": args.eval_beams, "eval_grown": args.eval_grown,
            "lr": args.lr, "seeds": args.seeds, "arms": args.arms,
            "warmup_arms": args.warmup_arms, "time_budget": args.time_budget,
-           "curriculum": args.phases, "gpus": args.gpus},
+           "curriculum": args.phases, "gpus": args.gpus, "share_start": args.share_start},
         "tasks": list(TRAIN_TASKS), "corpus": corpus_info, "calibration": calib,
-        "runs": run_info, "lr_sweep": sorted(sweep, key=lambda s: s["lr"]),
+        "runs": run_info, "stems": [_run_info(s, _record(work, s["name"])) for s in stems],
+        "lr_sweep": sorted(sweep, key=lambda s: s["lr"]),
         "wall_seconds": round(time.time() - t0, 1),
         "notes": "accuracy = exact match per question (teacher-forced argmax of every answer "
                  "token); lm / lm_past<N> = mean next-byte cross-entropy (nats) on held-out "
@@ -685,6 +798,12 @@ def parse_args(argv=None):
     ap.add_argument("--sweep", type=float, nargs="*", default=[0.5, 2.0],
                     help="learning-rate multipliers of extra dense seed-0 runs")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per run")
+    ap.add_argument("--share-start", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --steps: train the curriculum's start, where every arm attends "
+                         "every block (T <= K * C), once per seed and resume every run of that "
+                         "seed from it")
+    ap.add_argument("--stem-dir", help="folder the stems are saved in and reused from by a "
+                    "later launch with the same settings (default: the scratch folder)")
     ap.add_argument("--gpus", type=int,
                     help="GPUs the runs are spread over (default: every visible one)")
     # one run
@@ -695,6 +814,9 @@ def parse_args(argv=None):
     ap.add_argument("--schedule", default="sparse", choices=SCHEDULES)
     ap.add_argument("--steps", type=int, help="optimizer steps (default: set by the launcher)")
     ap.add_argument("--sync", help="barrier folder shared with the launcher")
+    ap.add_argument("--stop-at", type=int, help="stop after this many steps and save the state")
+    ap.add_argument("--save-state", help="file --stop-at saves the state to")
+    ap.add_argument("--resume", help="continue from a state file --stop-at saved (a stem)")
     ap.add_argument("--train-deadline", type=float, help="unix time training stops")
     ap.add_argument("--eval-deadline", type=float, help="unix time evaluation stops")
     ap.add_argument("--corpus", help="corpus file saved by ByteCorpus.save")
@@ -731,6 +853,8 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
+    if (args.stop_at is None) != (args.save_state is None):
+        ap.error("--stop-at and --save-state go together")
     if args.batch % len(TRAIN_TASKS):
         ap.error(f"--batch must be a multiple of {len(TRAIN_TASKS)} (LM + {len(TASKS)} tasks)")
     try:

@@ -132,6 +132,88 @@ def test_a_curriculum_run_trains_at_each_length_then_evaluates(site, tmp_path):
     check_rows(rec["rows"], {"pisa"}, {512}, 4)
 
 
+def test_a_run_resumed_from_a_dense_stem_equals_the_run_trained_straight(site, tmp_path):
+    """``--share-start``'s premise: while ``T <= K * C`` a sparse arm computes what the dense arm
+    does, so training those steps with the dense arm, saving the state and resuming it with the
+    sparse arm gives the run trained straight through, bitwise (CPU)."""
+    threads = torch.get_num_threads()
+    base = ["--topk", "16", "--steps", "4", "--site", str(site), "--out", str(tmp_path)] + \
+        TINY + ["--curriculum", "256:0.5"]  # 16 * 16 = 256: the first half is dense
+    state = tmp_path / "stem.pt"
+    try:
+        straight = _script().main(["--run", "straight", "--arm", "pisa"] + base)
+        stem = _script().main(["--run", "stem", "--arm", "dense", "--stop-at", "2",
+                               "--save-state", str(state)] + base)
+        resumed = _script().main(["--run", "resumed", "--arm", "pisa", "--resume", str(state)]
+                                 + base)
+    finally:
+        torch.set_num_threads(threads)
+    assert stem["status"] == "stem saved" and stem["steps"] == 2 and not stem["rows"]
+    assert resumed["status"] == "done" and resumed["steps"] == 4
+    assert resumed["stem"]["steps"] == 2 and resumed["stem"]["file"] == "stem.pt"
+
+    def strip(curve):
+        return [{k: v for k, v in p.items() if k != "sec"} for p in curve]
+    assert strip(resumed["curve"]) == strip(straight["curve"])
+    assert [p["T"] for p in resumed["curve"]] == [256, 256, 512, 512]
+    assert resumed["rows"] == straight["rows"] and resumed["beam_rows"] == straight["beam_rows"]
+
+
+def test_stem_flags_go_together(site):
+    with pytest.raises(SystemExit):
+        _script().parse_args(["--stop-at", "2", "--device", "cpu"])
+
+
+def test_stem_steps_end_where_the_first_run_turns_sparse():
+    qt = _script()
+    args = qt.parse_args(["--train-T", "4096", "--curriculum", "256:0.6", "2048:0.2", "--steps",
+                          "1000", "--device", "cpu"])
+    runs = [{"K": None}, {"K": 16}, {"K": 8}]
+    assert qt.stem_steps(args, runs) == 600  # 2048 > 8 * 64 and > 16 * 64
+    assert qt.stem_steps(args, runs[:1]) == 0  # no sparse run: nothing to share
+    args.block_size = 128  # 16 * 128 = 2048: K = 8 (1024) still turns sparse at 2048
+    assert qt.stem_steps(args, runs[:2]) == 800 and qt.stem_steps(args, runs) == 600
+    args.share_start = False
+    assert qt.stem_steps(args, runs) == 0
+    args.share_start, args.steps = True, None  # steps set by calibration: no stem
+    assert qt.stem_steps(args, runs) == 0
+
+
+def test_launcher_trains_the_shared_start_once_per_seed(site, tmp_path):
+    """``--steps`` fixed: one dense stem per seed trains the dense start, every run of that
+    seed resumes it; the merged result says so (``meta.stems``, each run's ``stem``)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, str(SCRIPT), "--launch", "--out", str(out), "--work", str(work),
+           "--arms", "dense", "pisa:16", "--warmup-arms", "--seeds", "0", "--sweep",
+           "--steps", "4", "--site", str(site), "--time-budget", "100", "--eval-reserve", "30",
+           "--merge-reserve", "5"] + TINY + ["--curriculum", "256:0.5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    meta = json.loads((out / "quality_trained.json").read_text())["meta"]
+    assert [(s["name"], s["status"], s["steps"]) for s in meta["stems"]] == \
+        [("stem_s0", "stem saved", 2)]
+    for run in meta["runs"]:
+        assert run["status"] == "done" and run["steps"] == 4 and run["stem"]["steps"] == 2
+    assert meta["config"]["share_start"] is True
+    # a second launch with the same settings and --stem-dir reuses the saved stem
+    stems = tmp_path / "stems"
+    for i in range(2):
+        proc = subprocess.run(cmd[:-len(TINY) - 2] + ["--stem-dir", str(stems), "--work",
+                                                      str(tmp_path / f"w{i}"), "--out",
+                                                      str(tmp_path / f"o{i}")]
+                              + TINY + ["--curriculum", "256:0.5"],
+                              capture_output=True, text=True, env=env, timeout=150)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metas = [json.loads((tmp_path / f"o{i}" / "quality_trained.json").read_text())["meta"]
+             for i in range(2)]
+    assert metas[0]["stems"][0]["status"] == "stem saved"
+    assert metas[1]["stems"][0]["status"] == f"reused {stems / 'stem_s0.pt'}"
+    rows = [json.loads((tmp_path / f"o{i}" / "quality_trained.json").read_text())["rows"]
+            for i in range(2)]
+    assert rows[0] == rows[1]  # CPU: the reused stem gives the same runs
+
+
 def test_train_batch_weights_each_part_equally(site):
     qt = _script()
     from pisa.eval.tasks import ByteCorpus
