@@ -205,7 +205,7 @@ def load_state(path: str, model: GPT, opt, gen: torch.Generator, record: dict):
     state = torch.load(path, map_location=next(model.parameters()).device, weights_only=False)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
-    gen.set_state(state["gen"])
+    gen.set_state(state["gen"].cpu())  # map_location moved it to the device
     record["curve"] = list(state["curve"])
     record["stem"] = {"file": Path(path).name, "steps": state["step"],
                       "train_seconds": state["seconds"]}
