@@ -6,7 +6,8 @@ selection and the selected attention, ``window_size=0``; needs the ``fla-core`` 
 group of at least 16 heads):
 
 - ``pisa``: ``pisa_attn`` at the library defaults, or at the knobs given (``--query-tile``,
-  ``--beam-leaf``, ``--scorer``, ``--tile-reduce``, ``--beam``);
+  ``--beam-leaf``, ``--scorer``, ``--tile-reduce``, ``--beam``, ``--beam-ref-len``: beams grown
+  with the context, rows report the grown widths and ``beam_ref_len``);
 - ``pisa_qt1``: per-token PISA at today's knobs (``query_tile=1``, ``beam_leaf = beam = K``);
 - ``flat_mean`` / ``flat_lse``: the flat selectors on the same attention (per token).
 
@@ -35,7 +36,8 @@ from common import (CONFIGS, DTYPE, G_BR, Results, attn_tflops, dense_attention,
                     result_row, shape, time_ms)
 from pisa import pisa_attn, pisa_select
 from pisa.ops.select import tiles_to_tokens
-from pisa.ops.utils.config import BEAM_LEAF, QUERY_TILE, SCORER, TILE_REDUCE, SelectConfig
+from pisa.ops.utils.config import (BEAM_LEAF, QUERY_TILE, SCORER, TILE_REDUCE, SelectConfig,
+                                   grown_beams)
 
 ARMS = ("pisa", "pisa_qt1", "flat_mean", "flat_lse", "dense", "nsa")
 
@@ -43,7 +45,7 @@ ARMS = ("pisa", "pisa_qt1", "flat_mean", "flat_lse", "dense", "nsa")
 def _arm_knobs(args, backend: str) -> dict:
     """``pisa_attn`` keywords of each selection arm."""
     base = dict(block_size=args.block_size, topk=args.topk, branching=G_BR, backend=backend)
-    given = ("beam", "beam_leaf", "scorer", "query_tile", "tile_reduce")
+    given = ("beam", "beam_leaf", "beam_ref_len", "scorer", "query_tile", "tile_reduce")
     new = {name: getattr(args, name) for name in given if getattr(args, name) is not None}
     per_token = dict(query_tile=1, beam=args.topk, beam_leaf=None, scorer="lse")
     return {"pisa": {**base, **new}, "pisa_qt1": {**base, **per_token},
@@ -76,6 +78,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=SelectConfig.block_size)
     ap.add_argument("--beam", type=int, default=None)
     ap.add_argument("--beam-leaf", type=int, default=None)
+    ap.add_argument("--beam-ref-len", type=int, default=None,
+                    help="pisa arm: beams grow past this many keys (beam_ref_len)")
     ap.add_argument("--scorer", default=None)
     ap.add_argument("--query-tile", type=int, default=None)
     ap.add_argument("--tile-reduce", default=None)
@@ -97,11 +101,16 @@ def main() -> None:
         """A result row; ``knobs`` (a selection arm's) fill the beam and tile columns."""
         be = dense_backend(dev) if impl == "dense" else "fla" if impl == "nsa" else backend
         beam = (knobs or {}).get("beam") or args.topk
-        # a knob the arm leaves out takes pisa_attn's default
+        # a knob the arm leaves out takes pisa_attn's default; beams grown past beam_ref_len
+        # are reported as grown
         tiles = dict(query_tile=None, beam_leaf=None) if knobs is None else dict(
             query_tile=knobs.get("query_tile") or QT_DEFAULT,
             beam_leaf=knobs.get("beam_leaf", BEAM_LEAF) or beam,
             scorer=knobs.get("scorer", SCORER), tile_reduce=knobs.get("tile_reduce", TILE_REDUCE))
+        if knobs is not None and knobs.get("beam_ref_len"):
+            beam, tiles["beam_leaf"] = grown_beams(beam, tiles["beam_leaf"], T,
+                                                   knobs["beam_ref_len"], args.block_size, G_BR)
+            extra["beam_ref_len"] = knobs["beam_ref_len"]
         out.add(result_row(op, impl, be, T=T, ms=ms, peak_gb=peak,
                            **shape(HQ, HKV, D, K=args.topk, C=args.block_size,
                                    W=None if knobs is None else beam), **tiles, **extra))

@@ -14,7 +14,8 @@ loaded model switched between them (``pisa.eval.model.set_arm``), so only the at
   first ``K`` blocks are attended in full, so PISA equals dense there).
 
 Result file (``--json``): ``{"meta": {...}, "rows": [{"model", "task" ("passkey"|"lm"), "arm",
-"T", "depth" (passkey only), "K", "C", "W", "samples", "metric", "value"}]}`` with metrics
+"T", "depth" (passkey only), "K", "C", "W", "samples", "metric", "value"}]}`` (passkey rows also
+"keys", "new_tokens") with metrics
 ``accuracy`` (passkey) and ``ppl``, ``ppl_tail``, ``agreement``, ``agreement_tail`` (lm).
 """
 from __future__ import annotations
@@ -124,7 +125,7 @@ def passkey_rows(model, tokenizer, cfg: PasskeyConfig, model_name: str) -> list[
                           file=cfg.log, flush=True)
                 rows.append(_row(model_name, "passkey_multi" if cfg.keys > 1 else "passkey",
                                  arm, T, cfg, "accuracy", hits / cfg.samples, depth=depth,
-                                 keys=cfg.keys))
+                                 keys=cfg.keys, new_tokens=cfg.new_tokens))
     return rows
 
 
@@ -219,6 +220,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beam", type=int, default=None, help="beam width W (default K)")
     p.add_argument("--keys", type=int, default=1,
                    help="needles per prompt; > 1: multi-key (one door's key asked)")
+    p.add_argument("--new-tokens", type=int, default=8,
+                   help="tokens greedy decoding may write for the answer (the first number in "
+                        "them is the answer; a model that restates the question first needs "
+                        "more than the key's 5 digits)")
     p.add_argument("--no-lm", action="store_true", help="skip the perplexity / agreement part")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
@@ -230,6 +235,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     ``ValueError("argument --flag: ...")``."""
     if any(not 0 <= d <= 1 for d in args.depths):
         raise ValueError(f"argument --depths: every depth must be in [0, 1], got {args.depths}")
+    if args.new_tokens < 1:
+        raise ValueError(f"argument --new-tokens: must be >= 1, got {args.new_tokens}")
     if not 1 <= args.keys <= len(DOORS):
         raise ValueError(f"argument --keys: must be in [1, {len(DOORS)}], got {args.keys}")
 
@@ -241,7 +248,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
 
     cfg = PasskeyConfig(lengths=args.lengths, depths=args.depths, samples=args.samples,
                         arms=args.arms, topk=args.topk, block_size=args.block_size,
-                        beam=args.beam, backend=args.backend, keys=args.keys)
+                        beam=args.beam, backend=args.backend, keys=args.keys,
+                        new_tokens=args.new_tokens)
     model, tokenizer, info = start_eval("passkey", args.device, argv)
     info.update(filler=FILLER, needle=NEEDLE, question=QUESTION)
     if cfg.keys > 1:

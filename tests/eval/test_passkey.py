@@ -27,19 +27,20 @@ class CharTokenizer:
 class Parrot:
     """A stand-in model whose greedy answer is the first number of its prompt (plus noise)."""
 
-    def __init__(self):
-        self.config = SimpleNamespace(_attn_implementation="sdpa")
-        self.arms = []
-
     def parameters(self):
         yield torch.zeros(1)
 
     def set_attn_implementation(self, impl):
         self.arms.append((impl, getattr(self.config, "pisa_selector", None)))
 
+    def __init__(self, preamble=""):
+        self.config = SimpleNamespace(_attn_implementation="sdpa")
+        self.arms = []
+        self.preamble = preamble
+
     def generate(self, ids, max_new_tokens, **kw):
         key = re.search(r"\d+", CharTokenizer().decode(ids[0])).group()
-        answer = torch.tensor([[ord(c) for c in f" {key}. ok"][:max_new_tokens]])
+        answer = torch.tensor([[ord(c) for c in f"{self.preamble} {key}. ok"][:max_new_tokens]])
         return torch.cat([ids, answer], 1)
 
 
@@ -121,3 +122,17 @@ def test_cli_eval_passkey_on_smollm2(tmp_path):
         ("lm", "agreement_tail")}
     dense = next(r for r in rows if r["task"] == "passkey" and r["arm"] == "dense")
     assert dense["value"] == 1.0  # SmolLM2 finds a passkey in 512 tokens
+
+
+def test_the_answer_budget_bounds_what_counts_and_rows_record_it():
+    """A model that restates the question before the key ("the pass key. 87209") misses when
+    the budget ends inside the digits and hits with room for them; rows carry ``new_tokens``."""
+    model = Parrot(preamble=" the pass key.")
+    got = {}
+    for budget in (16, 20):  # 14 characters of preamble + space: 16 leaves 2 of 5 digits
+        cfg = PasskeyConfig(lengths=[300], depths=[0.5], samples=2, arms=["dense"],
+                            new_tokens=budget)
+        rows = passkey_rows(model, CharTokenizer(), cfg, "parrot")
+        got[budget] = rows[0]["value"]
+        assert rows[0]["new_tokens"] == budget
+    assert got == {16: 0.0, 20: 1.0}

@@ -16,8 +16,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "quality_train.py"
 ROW_KEYS = {"task", "arm", "K", "seed", "train_T", "test_T", "metric", "value", "steps",
-            "schedule"}
+            "schedule", "query_tile", "beam_leaf"}
 TASK_ROWS = {"needle_single", "needle_multi", "assoc_recall", "var_track", "aggregate"}
+# (query_tile, beam_leaf) each arm's rows carry: the defaults' 16-token tiles and level-2 beam
+KNOBS = {"dense": (None, None), "pisa": (16, 32), "pisa_qt1": (1, None), "flat_mean": (1, None),
+         "flat_lse": (1, None)}
 TINY = ["--train-T", "512", "--test-T", "512", "--block-size", "16", "--width", "32", "--depth",
         "2", "--heads", "2", "--kv-heads", "1", "--mlp", "64", "--eval-examples", "2",
         "--lm-windows", "1", "--lm-past", "256", "--log-every", "1", "--threads", "1",
@@ -53,6 +56,7 @@ def check_rows(rows, arms, lengths, steps):
         assert r["metric"] == ("loss" if r["task"].startswith("lm") else "accuracy")
         assert math.isfinite(r["value"]) and r["steps"] == (steps or r["steps"]) > 0
         assert (r["K"] is None) == (r["arm"] == "dense")
+        assert (r["query_tile"], r["beam_leaf"]) == KNOBS[r["arm"]]
         if r["metric"] == "accuracy":
             assert 0.0 <= r["value"] <= 1.0
         else:
@@ -71,6 +75,7 @@ def check_beam_rows(result, beams, lengths):
     assert len(got) == len(beams) * len(pisa)
     for r in got:
         assert set(r) == ROW_KEYS | {"W"} and r["arm"] in ("pisa", "pisa_qt1") and r["W"] in beams
+        assert r["beam_leaf"] == (2 * r["W"] if r["arm"] == "pisa" else None)
         assert r["metric"] == "accuracy" and 0.0 <= r["value"] <= 1.0 and r["test_T"] in lengths
     assert {(r["task"], r["test_T"], r["seed"]) for r in got} == \
         {(r["task"], r["test_T"], r["seed"]) for r in pisa}
