@@ -40,9 +40,11 @@ class Results:
     def __init__(self, result: dict):
         self.meta, self.rows = result["meta"], result["rows"]
         self.cells: dict[tuple, list[float]] = {}
+        self.by_seed: dict[tuple, dict[int, float]] = {}
         for r in self.rows:
             key = (r["task"], (r["arm"], r["K"], r["schedule"]), r["test_T"])
             self.cells.setdefault(key, []).append(r["value"])
+            self.by_seed.setdefault(key, {})[r["seed"]] = r["value"]
         # the pisa runs re-evaluated with a wider walk: config (arm, K, schedule, W), W "grown"
         # for beams grown past the training length (beam_ref_len)
         for r in result.get("beam_rows", []):
@@ -62,6 +64,16 @@ class Results:
         if not v:
             return None
         return statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)
+
+    def paired_gap(self, task, config, T):
+        """Per-seed gap of ``config`` to dense in % of dense (the runs of a seed share their
+        initialisation, data and dense start): ``(mean, std, n)`` over the seeds both have."""
+        a = self.by_seed.get((task, config, T), {})
+        d = self.by_seed.get((task, ("dense", None, "sparse"), T), {})
+        gaps = [100 * (a[s] / d[s] - 1) for s in sorted(set(a) & set(d))]
+        if not gaps:
+            return None
+        return statistics.mean(gaps), statistics.stdev(gaps) if len(gaps) > 1 else 0.0, len(gaps)
 
     def mean(self, task, config, T):
         s = self.stats(task, config, T)
@@ -111,14 +123,16 @@ def beam_table(res: Results, task: str) -> str:
 
 def lm_table(res: Results, task: str) -> str:
     dense = ("dense", None, "sparse")
-    head = "| arm | " + " | ".join(f"T={T} | vs dense" for T in res.lengths) + " |"
-    lines = [head, "|---|" + "---|---|" * len(res.lengths)]
+    head = "| arm | " + " | ".join(f"T={T} | vs dense | paired" for T in res.lengths) + " |"
+    lines = [head, "|---|" + "---|---|---|" * len(res.lengths)]
     for c in res.configs:
         cells = []
         for T in res.lengths:
             s, d = res.stats(task, c, T), res.mean(task, dense, T)
             cells.append(_cell(s, ".4f"))
             cells.append("-" if s is None or d is None else f"{100 * (s[0] / d - 1):+.2f}%")
+            g = res.paired_gap(task, c, T) if c != dense else None
+            cells.append("-" if g is None else f"{g[0]:+.2f}% ± {g[1]:.2f}")
         lines.append(f"| {_label(c)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -204,9 +218,10 @@ def checks(res: Results) -> list[str]:
                            + ("" if wide is c else " — same weights, wider walk (not the bar)"))
         d, p = res.mean("lm", ("dense", None, "sparse"), train_T), res.mean("lm", c, train_T)
         if d is not None and p is not None:
-            gap = 100 * (p / d - 1)
+            gap, paired = 100 * (p / d - 1), res.paired_gap("lm", c, train_T)
             out.append(f"- {_label(c)} validation LM loss at T={train_T} within 1% of dense: "
-                       f"{gap:+.2f}% {'PASS' if gap <= 1 else 'FAIL'}")
+                       f"{gap:+.2f}% {'PASS' if gap <= 1 else 'FAIL'} (per seed: "
+                       f"{paired[0]:+.2f}% ± {paired[1]:.2f})")
     return out
 
 

@@ -405,3 +405,43 @@ def test_tables_pool_launches_and_show_wider_walks(tmp_path):
     assert "pisa K=4 W=8 ≥ flat_mean K=4 on every retrieval task beyond the training length: " \
            "PASS" in text
     assert "No sweep runs in this launch" in text
+
+
+def _tables():
+    spec = importlib.util.spec_from_file_location(
+        "quality_tables", REPO / "benchmarks" / "quality_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO / "benchmarks"))  # its `from tables import header`
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return module
+
+
+def test_tables_pair_seeds_and_check_the_issue_bars():
+    """LM gaps are also paired per seed (the runs of a seed share their start); the checks flag a
+    learned task where pisa falls below dense's seed spread and a retrieval task at the training
+    length where it falls below flat_mean."""
+    qt = _tables()
+    values = {  # (arm, task) -> value per seed 0, 1
+        ("dense", "lm"): (2.0, 3.0), ("pisa", "lm"): (2.02, 3.09),
+        ("flat_mean", "lm"): (2.1, 3.1),
+        ("dense", "needle_single"): (1.0, 0.9), ("pisa", "needle_single"): (0.9, 0.9),
+        ("flat_mean", "needle_single"): (0.8, 0.8),
+        ("dense", "var_track"): (0.3, 0.3), ("pisa", "var_track"): (0.2, 0.2),
+        ("flat_mean", "var_track"): (0.25, 0.25)}
+    rows = [{"task": task, "arm": arm, "K": None if arm == "dense" else 4, "seed": seed,
+             "train_T": 512, "test_T": 512, "steps": 10, "schedule": "sparse",
+             "metric": "loss" if task == "lm" else "accuracy", "value": v}
+            for (arm, task), vs in values.items() for seed, v in enumerate(vs)]
+    res = qt.Results({"meta": {"config": {"train_T": 512}}, "rows": rows})
+    mean, std, n = res.paired_gap("lm", ("pisa", 4, "sparse"), 512)
+    assert (round(mean, 6), round(std, 6), n) == (2.0, round(2 ** 0.5, 6), 2)  # 1% and 3%
+    text = "\n".join(qt.checks(res))
+    # needle_single: 0.9 >= 0.95 - 0.0707; var_track 0.2 < 0.3 - 0
+    assert "pisa K=4 within dense's seed spread at T=512 on every task dense learns " \
+           "(needle_single, var_track): FAIL (var_track)" in text
+    assert "pisa K=4 ≥ flat_mean K=4 on every retrieval task at T=512: FAIL (var_track)" in text
+    assert "within 1% of dense: +2.20% FAIL (per seed: +2.00% ± 1.41)" in text
+    assert "| +2.00% ± 1.41 |" in qt.lm_table(res, "lm")
