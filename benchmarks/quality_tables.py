@@ -176,6 +176,12 @@ def within_dense(res: Results, c, task: str, T: int) -> bool:
     return a[0] >= d[0] - d[1]
 
 
+def below(res: Results, c, other, task: str, T: int) -> bool:
+    """``c``'s mean accuracy is below ``other``'s (False where either has no rows)."""
+    a, b = res.mean(task, c, T), res.mean(task, other, T)
+    return a is not None and b is not None and a < b
+
+
 def checks(res: Results) -> list[str]:
     """The issue's acceptance criteria, evaluated on the means over seeds."""
     out = []
@@ -200,18 +206,14 @@ def checks(res: Results) -> list[str]:
                        + ("PASS" if not bad else "FAIL (" + ", ".join(bad) + ")"))
         fm = res.partner("flat_mean", K, schedule)
         if fm is not None and train_T in res.lengths:
-            bad = [t for t in RETRIEVAL if None not in (res.mean(t, c, train_T),
-                                                          res.mean(t, fm, train_T))
-                   and res.mean(t, c, train_T) < res.mean(t, fm, train_T)]
+            bad = [t for t in RETRIEVAL if below(res, c, fm, t, train_T)]
             out.append(f"- {_label(c)} ≥ {_label(fm)} on every retrieval task at T={train_T}: "
                        + ("PASS" if not bad else "FAIL (" + ", ".join(bad) + ")"))
-        fm = res.partner("flat_mean", K, schedule)
         longer = [T for T in res.lengths if T > (train_T or 0)]
         if fm is not None and longer:
             for wide in [c] + [w for w in res.wide if w[:3] == c]:
                 bad = [f"{t}@{T}" for t in RETRIEVAL for T in longer
-                       if None not in (res.mean(t, wide, T), res.mean(t, fm, T))
-                       and res.mean(t, wide, T) < res.mean(t, fm, T)]
+                       if below(res, wide, fm, t, T)]
                 out.append(f"- {_label(wide)} ≥ {_label(fm)} on every retrieval task beyond the "
                            f"training length: "
                            f"{'PASS' if not bad else 'FAIL (' + ', '.join(bad) + ')'}"
