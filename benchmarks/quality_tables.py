@@ -291,6 +291,14 @@ def markdown(res: Results, png: str | None) -> str:
         parts += ["No sweep runs in this launch: its learning rate comes from an earlier "
                   "launch's sweep (`docs/quality.md`).", ""]
     parts += ["## Runs", "", runs_table(res.meta), ""]
+    stems = res.meta.get("stems") or []
+    if stems:
+        parts += [f"Shared dense start (`--share-start`): the first {stems[0].get('steps')} "
+                  "steps of every run of a seed (every arm attends every block there) were "
+                  "trained once, by a dense stem, and resumed: "
+                  + "; ".join(f"{s['name']} {s.get('status')}, {s.get('train_seconds')} s"
+                              for s in stems)
+                  + ". A run's train s counts its own steps only.", ""]
     return "\n".join(parts)
 
 
