@@ -74,6 +74,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
     (["eval", "passkey", "--device", "cpu", "--lengths", "0"], "--lengths"),
     (["eval", "passkey", "--device", "cpu", "--depths", "1.5"], "--depths"),
     (["eval", "passkey", "--device", "cpu", "--keys", "0"], "--keys"),
+    (["eval", "passkey", "--device", "cpu", "--new-tokens", "0"], "--new-tokens"),
     (["eval", "passkey", "--device", "cpu", "--block-size", "3"], "--block-size"),
     pytest.param(["eval", "passkey", "--device", "cuda"], "--device", marks=NO_CUDA),
 ], ids=lambda x: " ".join(x[:2 if x[0] == "eval" else 1] + x[-2:]) if isinstance(x, list)
