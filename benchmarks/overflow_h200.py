@@ -29,7 +29,7 @@ from common import C, K, command, meta, write_result
 
 from pisa import pisa_attn, pisa_select
 from pisa.ops.select import tiles_to_tokens
-from pisa.ops.utils.config import QUERY_TILE
+from pisa.ops.utils.config import query_tile_of
 
 TOL = 2e-2  # bf16 kernel vs fp32 reference, relative L2
 
@@ -70,7 +70,7 @@ def _token_selection(q, k):
     token ``[1, T, HKV, K]``: what the readable reference attends."""
     T = q.shape[1]
     idx, cnt = pisa_select(q.detach(), k.detach(), block_size=C, topk=K)
-    return tiles_to_tokens(idx, cnt, T, T, min(QUERY_TILE, C))[0]
+    return tiles_to_tokens(idx, cnt, T, T, query_tile_of(None, C))[0]
 
 
 def _choosers(block_idx, h_kv, block):

@@ -77,7 +77,6 @@ import torch.nn.functional as F
 
 from pisa.results import meta, write_result
 from pisa.eval.gpt import ARMS, GPT, GPTConfig
-from pisa.ops.utils.config import BEAM_LEAF, QUERY_TILE
 from pisa.eval.tasks import TASKS, ByteCorpus, lm_eval_windows, lm_windows, make_task
 
 TRAIN_TASKS = ("lm",) + tuple(TASKS)
@@ -331,24 +330,11 @@ def lm_loss(model: GPT, val_data: torch.Tensor, T: int, args) -> tuple[float, fl
     return overall, past if n_late else float("nan")
 
 
-def knob_columns(arm: str, block_size: int, W: int | None = None) -> dict:
-    """The selection knobs a row of ``arm`` ran with, as columns: ``query_tile`` (tokens sharing
-    one selection) and ``beam_leaf`` (the walk's level-2 beam; the "pisa" arm's follows a wider
-    ``W`` at twice it, ``GPT.set_beam``). None where they do not apply (dense; the flat
-    selectors and the per-token walk keep one beam)."""
-    if arm == "dense":
-        return {"query_tile": None, "beam_leaf": None}
-    knobs = ARMS[arm]
-    tile = knobs.get("query_tile", min(QUERY_TILE, block_size))
-    leaf = knobs.get("beam_leaf", BEAM_LEAF if W is None else 2 * W) if arm == "pisa" else None
-    return {"query_tile": tile, "beam_leaf": leaf}
-
-
 def evaluate(model: GPT, args, val_data: torch.Tensor, record: dict, out: Path, log) -> None:
     model.eval()
     base = {"arm": args.arm, "K": None if args.arm == "dense" else args.topk, "seed": args.seed,
             "train_T": args.train_T, "schedule": args.schedule,
-            **knob_columns(args.arm, args.block_size)}
+            **model.selection_knobs()}
     t0 = time.time()
     for T in sorted(args.test_T):
         for task in TASKS:
@@ -387,8 +373,7 @@ def eval_beams(model: GPT, args, record: dict, base: dict) -> bool:
             if time.time() > args.eval_deadline:
                 return False
             record["beam_rows"].append({"task": task, **base, "W": mult * args.topk,
-                                        **knob_columns(args.arm, args.block_size,
-                                                       mult * args.topk),
+                                        **model.selection_knobs(),
                                         "test_T": T, "metric": "accuracy",
                                         "value": task_accuracy(model, task, T, args),
                                         "steps": record["steps"]})

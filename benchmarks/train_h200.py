@@ -36,8 +36,8 @@ from common import (CONFIGS, DTYPE, G_BR, Results, attn_tflops, dense_attention,
                     result_row, shape, time_ms)
 from pisa import pisa_attn, pisa_select
 from pisa.ops.select import tiles_to_tokens
-from pisa.ops.utils.config import (BEAM_LEAF, QUERY_TILE, SCORER, TILE_REDUCE, SelectConfig,
-                                   grown_beams)
+from pisa.ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig, grown_beams,
+                                   query_tile_of)
 
 ARMS = ("pisa", "pisa_qt1", "flat_mean", "flat_lse", "dense", "nsa")
 
@@ -87,7 +87,6 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     HQ, HKV, D = CONFIGS[args.config]
-    QT_DEFAULT = min(QUERY_TILE, args.block_size)  # query_tile=None: the library's
     dev = args.device
     backend = pisa_backend(dev)
     arms = _arm_knobs(args, backend)
@@ -104,7 +103,7 @@ def main() -> None:
         # a knob the arm leaves out takes pisa_attn's default; beams grown past beam_ref_len
         # are reported as grown
         tiles = dict(query_tile=None, beam_leaf=None) if knobs is None else dict(
-            query_tile=knobs.get("query_tile") or QT_DEFAULT,
+            query_tile=query_tile_of(knobs.get("query_tile"), args.block_size),
             beam_leaf=knobs.get("beam_leaf", BEAM_LEAF) or beam,
             scorer=knobs.get("scorer", SCORER), tile_reduce=knobs.get("tile_reduce", TILE_REDUCE))
         if knobs is not None and knobs.get("beam_ref_len"):
@@ -137,7 +136,7 @@ def main() -> None:
     def kernels(T, impl, q, k, v, do, knobs):
         """The sparse attention kernels alone on the arm's selection."""
         idx, cnt = pisa_select(q, k, **knobs)
-        qt = knobs.get("query_tile") or QT_DEFAULT
+        qt = query_tile_of(knobs.get("query_tile"), args.block_size)
         per_token = idx if qt == 1 else tiles_to_tokens(idx, cnt, T, T, qt)[0]
         keys = keys_attended(per_token, T, args.block_size)
         del per_token

@@ -30,7 +30,7 @@ import torch
 from common import (CONFIGS, DTYPE, G_BR, Results, fwd_bwd, kernel_times, peak_gb, pisa_backend,
                     reset_peak, result_row, shape, time_ms)
 from pisa import pisa_attn, pisa_attn_varlen
-from pisa.ops.utils.config import QUERY_TILE, SelectConfig
+from pisa.ops.utils.config import SelectConfig, query_tile_of
 
 ARMS = ("varlen", "batch", "long")
 
@@ -56,7 +56,7 @@ def main() -> None:
         args.docs, args.doc_len, args.block_size, args.topk = 4, 96, 16, 4
     backend = pisa_backend(dev)
     n, L = args.docs, args.doc_len
-    tile = args.query_tile or min(QUERY_TILE, args.block_size)
+    tile = query_tile_of(args.query_tile, args.block_size)
     knobs = dict(block_size=args.block_size, topk=args.topk, branching=G_BR,
                  query_tile=tile, backend=backend)
     saved = {name: x for name, x in knobs.items() if name != "backend"}

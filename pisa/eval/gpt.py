@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import PisaAttention
-from ..ops.utils.config import BEAM_LEAF, SelectConfig
+from ..ops.utils.config import BEAM_LEAF, SelectConfig, query_tile_of
 from .tasks import VOCAB_SIZE
 
 # arm -> the selection knobs ``pisa_attn`` runs (dense attends to every causal key with SDPA):
@@ -127,6 +127,17 @@ class GPT(nn.Module):
         if self.cfg.arm.startswith("pisa"):
             for block in self.blocks:
                 block.attn.pisa_kwargs["beam_ref_len"] = ref_len
+
+    def selection_knobs(self) -> dict:
+        """``query_tile`` and ``beam_leaf`` its selection runs with now (``set_beam`` moves the
+        "pisa" arm's level-2 beam); None where they do not apply: dense, and the level-2 beam
+        of the flat selectors and of the per-token walk (one beam)."""
+        if self.cfg.arm == "dense":
+            return {"query_tile": None, "beam_leaf": None}
+        kw = self.blocks[0].attn.pisa_kwargs
+        pyramid = kw.get("selector", "pyramid") == "pyramid"
+        return {"query_tile": query_tile_of(kw.get("query_tile"), self.cfg.block_size),
+                "beam_leaf": kw.get("beam_leaf", BEAM_LEAF) if pyramid else None}
 
     def set_context_parallel(self, group, layout: str = "zigzag") -> None:
         """Shard the sequence over the ranks of ``group`` from now on (``pisa.distributed``; the

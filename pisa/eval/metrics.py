@@ -10,7 +10,7 @@ import torch
 
 from ..api import pisa_attn, pisa_select
 from ..ops.select import tiles_to_tokens
-from ..ops.utils.config import CHUNK_ELEMS, QUERY_TILE, SelectConfig, default_scale
+from ..ops.utils.config import CHUNK_ELEMS, SelectConfig, default_scale, query_tile_of
 
 
 def _forced_mask(block_idx: torch.Tensor, n_keys: int, block_size: int) -> torch.Tensor:
@@ -101,7 +101,7 @@ class SelectionScorer:
         knobs = self.knobs | overrides
         idx, cnt = pisa_select(self.q, self.k, selector=selector, scale=self.scale,
                                backend=self.backend, **knobs)
-        qt = knobs.get("query_tile") or min(QUERY_TILE, self.block_size)
+        qt = query_tile_of(knobs.get("query_tile"), self.block_size)
         return tiles_to_tokens(idx, cnt, self.q.shape[1], self.k.shape[1], qt)[0]
 
     def mass(self, block_idx: torch.Tensor) -> float:

@@ -54,6 +54,11 @@ KNOBS = ("block_size", "topk", "branching", "beam", "beam_leaf", "beam_ref_len",
          "selector", "forced_in_budget", "scale", "query_tile", "tile_reduce")
 
 
+def query_tile_of(query_tile: int | None, block_size: int) -> int:
+    """The tile a ``query_tile`` argument means: ``None`` is ``min(QUERY_TILE, block_size)``."""
+    return min(QUERY_TILE, block_size) if query_tile is None else query_tile
+
+
 def knobs_of(args: dict, **override) -> dict:
     """The ``KNOBS`` among a call's arguments ``args`` (its ``locals()``), with ``override``."""
     return {**{name: args[name] for name in KNOBS if name in args}, **override}
@@ -285,8 +290,7 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor | None, backend: str, *,
     if beam_ref_len is not None:
         beam, beam_leaf = grown_beams(beam, beam_leaf, n_keys, beam_ref_len, block_size,
                                       branching)
-    if query_tile is None:
-        query_tile = min(QUERY_TILE, block_size)
+    query_tile = query_tile_of(query_tile, block_size)
     if scale is None:
         scale = default_scale(q.shape[-1])
     if selector == "auto":

@@ -298,3 +298,9 @@ def test_beam_ref_len_must_be_a_positive_int(bad, err):
     q, k = _qk()
     with pytest.raises(err, match="beam_ref_len"):
         resolve_config(q, k, "torch", beam_ref_len=bad)
+
+
+def test_query_tile_none_means_the_default_tile_capped_by_the_block():
+    from pisa.ops.utils.config import QUERY_TILE, query_tile_of
+    assert query_tile_of(None, 64) == QUERY_TILE == 16
+    assert query_tile_of(None, 8) == 8 and query_tile_of(4, 64) == 4
