@@ -499,6 +499,22 @@ def stem_key(args, seed: int, steps: int) -> dict:
            "stem_steps": steps}
 
 
+def _reuse_stem(state: Path, key: dict, record: Path) -> bool:
+    """True (and the stem's ``record`` written) if ``state`` was saved under ``key`` (its
+    ``.key.json`` beside it, written once the stem finished); else both files are removed, so a
+    stale state cannot stand in for a stem that fails."""
+    sidecar = state.with_suffix(".key.json")
+    if state.exists() and sidecar.exists() and \
+            json.loads(sidecar.read_text()) == json.loads(json.dumps(key)):
+        saved = torch.load(state, map_location="cpu", weights_only=False)
+        _write_atomic(record, {"status": f"reused {state}", "steps": saved["step"],
+                               "train_seconds": saved["seconds"]})
+        return True
+    sidecar.unlink(missing_ok=True)
+    state.unlink(missing_ok=True)
+    return False
+
+
 def _child_argv(args, run: dict, work: Path, corpus: Path, deadlines) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--run", run["name"],
             "--arm", run["arm"], "--topk", str(run["K"] or args.topk), "--seed", str(run["seed"]),
@@ -634,19 +650,10 @@ def launch(args) -> dict:
     for seed in waiting:
         stems.append({"name": f"stem_s{seed}", "arm": "dense", "K": None, "seed": seed,
                       "schedule": "sparse", "lr": args.lr, "sweep": False})
-        state, key = stem_dir / f"stem_s{seed}.pt", stem_key(args, seed, shared_steps)
-        sidecar = state.with_suffix(".key.json")
-        if state.exists() and sidecar.exists() and json.loads(sidecar.read_text()) == \
-                json.loads(json.dumps(key)):
-            saved = torch.load(state, map_location="cpu", weights_only=False)
-            _write_atomic(work / f"stem_s{seed}.json",
-                          {"status": f"reused {state}", "steps": saved["step"],
-                           "train_seconds": saved["seconds"]})
-            continue
-        sidecar.unlink(missing_ok=True)
-        state.unlink(missing_ok=True)  # a stale state must not stand in for a failed stem
-        start(stems[-1], len(stems) - 1, ["--stop-at", str(shared_steps), "--save-state",
-                                          str(state)])
+        state = stem_dir / f"stem_s{seed}.pt"
+        if not _reuse_stem(state, stem_key(args, seed, shared_steps), work / f"stem_s{seed}.json"):
+            start(stems[-1], len(stems) - 1, ["--stop-at", str(shared_steps), "--save-state",
+                                              str(state)])
     if stems:
         _say(f"[launch] the first {shared_steps} steps (dense for every arm) are trained once "
              f"per seed (stems in {stem_dir}): " + ", ".join(
