@@ -9,7 +9,7 @@
 - Dense baselines: ``dense_attention`` (causal SDPA, forced to cuDNN on CUDA, GQA by repeating
   K/V) and ``dense_decode`` (one query per sequence over a cache, GQA folded into the query
   length), both ``pisa.bench``'s.
-- Config A (``PISA_SPEC.md`` §10): bf16, B = 1, HQ = 64, HKV = 4, D = 128, C = 64, K = W = 16,
+- Config A (``docs/spec.md`` §10): bf16, B = 1, HQ = 64, HKV = 4, D = 128, C = 64, K = W = 16,
   g = 2; ``CONFIGS`` holds the (HQ, HKV, D) of configs A and B.
 - Results: ``Results`` collects rows of the project's schema (``pisa.results.result_row``) and
   writes ``{"meta", "rows"}`` through ``pisa.results.write_result``.

@@ -4,7 +4,7 @@ same KV cache, plus the prefill of a long prompt (issue 4's benchmark).
     python benchmarks/decode_h200.py --out benchmarks/results/decode_h200.json
     python benchmarks/decode_h200.py --quick  # 32K and 1M, batch 1 and 16, the sweep
 
-Config A (PISA_SPEC.md §10): bf16, HQ=64, HKV=4, D=128, C=64, K=16, W=16, g=2; batch 1 and 16;
+Config A (docs/spec.md §10): bf16, HQ=64, HKV=4, D=128, C=64, K=16, W=16, g=2; batch 1 and 16;
 contexts 32K, 64K, ..., 1M. Each ``PisaCache`` is filled to its full length with random keys and
 values (pyramid sums from the Triton pyramid build), one random query per sequence.
 
@@ -12,7 +12,7 @@ Timing (``benchmarks/common.py``). ``ms``: one step captured in a CUDA graph, it
 ``time_ms`` (do_bench: the L2 cache flushed before each replay, as in a model whose other layers
 evict this layer's cache between steps; median of CUDA events). ``warm_ms``:
 ``triton.testing.do_bench_cudagraph`` (the step unrolled in a graph, back to back, L2 warm), for
-comparison with figures measured that way (the dense anchors of PISA_SPEC.md §10).
+comparison with figures measured that way (the dense anchors of docs/spec.md §10).
 
 Rows (``pisa.results`` schema; ``splits``, ``num_warps``, ``num_stages``, ``warm_ms``,
 ``best_of`` are extra columns; ``None`` is the default):

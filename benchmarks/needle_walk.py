@@ -8,7 +8,7 @@ the needle's block is among its K blocks. flat_lse scores every block exactly an
 mean keys, so at level ``l`` the needle weighs ``1 / (C * g^(l-2))`` of its child's summary: the
 deeper the walk (the longer the context for a fixed beam), the larger ``z`` must be to survive the
 coarse levels. The default walk (``pisa``) ranks internal nodes by per-channel key bounds, which
-do not dilute the needle (``PISA_SPEC.md`` §11).
+do not dilute the needle (``docs/spec.md`` §11).
 This isolates the walk's pruning from training effects (see ``docs/quality.md``).
 
     python benchmarks/needle_walk.py --json benchmarks/results/needle_walk.json

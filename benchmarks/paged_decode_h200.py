@@ -4,7 +4,7 @@ part 3's benchmark; the bar: paged <= 1.1x contiguous).
     python benchmarks/paged_decode_h200.py --out benchmarks/results/paged_decode_h200.json
     python benchmarks/paged_decode_h200.py --smoke   # CPU, Triton interpreter, tiny shapes
 
-Config A (``PISA_SPEC.md`` §10): bf16, HQ=64, HKV=4, D=128, C=64, K=16, W=16, g=2, at 1M batch 1
+Config A (``docs/spec.md`` §10): bf16, HQ=64, HKV=4, D=128, C=64, K=16, W=16, g=2, at 1M batch 1
 and 128K batch 16 (``--shapes``). The contiguous ``PisaCache`` is filled to its full length with
 random keys and values (pyramid sums from the Triton pyramid build); the paged cache holds the same
 pages, copied into a pool (with spare pages) in shuffled order, addressed by a shuffled

@@ -3,7 +3,7 @@
     python benchmarks/select_kernel.py --json benchmarks/results/select_h200.json   # 16K..1M
     python benchmarks/select_kernel.py --lengths 32768 --beams 16 32 64            # beam trade-off
 
-Config A (PISA_SPEC.md §10): B=1, HQ=64, HKV=4, D=128, C=64, K=16, g=2, bf16, all queries
+Config A (docs/spec.md §10): B=1, HQ=64, HKV=4, D=128, C=64, K=16, g=2, bf16, all queries
 (Tq = Tk), per-token selection at the first wave's knobs (``query_tile=1``, ``scorer="lse"``). Times (``common.time_ms``) are of ``pisa_select`` (Triton) on random normal q/k, each
 pyramid row (one per ``--beams`` width W) and ``flat_mean`` including the pyramid build, which the
 ``build`` row times alone (``pisa.ops.pyramid.build_pyramid``); ``flat_lse`` is the exact flat
@@ -33,7 +33,7 @@ from pisa.eval import captured_mass, dense_lse, recall_at_k, structured_qkv
 from pisa.ops.pyramid import build_pyramid
 
 SELECTORS = ("pyramid", "flat_mean", "flat_lse")
-# fla NSA's flat top-k selection at the same shapes (PISA_SPEC.md §10), for orientation.
+# fla NSA's flat top-k selection at the same shapes (docs/spec.md §10), for orientation.
 NSA_SELECT_MS = {16384: 1.8, 32768: 6.3, 65536: 24.8, 131072: 98.4}
 
 

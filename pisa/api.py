@@ -29,7 +29,7 @@ _SELECT_DOC = """
     beam: int or None. Beam width ``W`` kept at internal levels. Default ``topk``. Wider beams
         cost time and raise recall against the exact flat scan.
     beam_leaf: int or None. Beam kept at the lowest internal level (whose children are the
-        leaves), where a wider beam recovers most of the pyramid's misses (``PISA_SPEC.md`` §11).
+        leaves), where a wider beam recovers most of the pyramid's misses (``docs/spec.md`` §11).
         Default 32 (twice the default ``topk``); None: ``beam``.
     beam_ref_len: int or None. Grow ``beam`` and ``beam_leaf`` with the context: at ``seqlen_k``
         keys past ``beam_ref_len`` both are multiplied by the ratio of the pyramid levels the walk

@@ -181,7 +181,7 @@ def check_selection_invariants(idx, cnt, case: Case, cfg) -> torch.Tensor:
                    idx, cnt, t_abs)
         _first_bad(exact & (cnt != most), "pyramid count not the budget though g*W covers it",
                    idx, cnt, t_abs)
-    # The documented guarantee (docs/design.md "Early tokens", PISA_SPEC.md §4 at the default
+    # The documented guarantee (docs/design.md "Early tokens", docs/spec.md §4 at the default
     # beam): when every non-forced causal block fits the free budget and the beam, all are taken.
     covered = (n_free <= free_budget) & ((n_free <= cfg.beam) | (cfg.selector != "pyramid"))
     full = cnt == n_causal

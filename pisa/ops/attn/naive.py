@@ -1,4 +1,4 @@
-"""The attention oracle: fp64, Python loops, small N only (``PISA_SPEC.md`` §5).
+"""The attention oracle: fp64, Python loops, small N only (``docs/spec.md`` §5).
 
 Query ``t`` of ``q [B, Tq, HQ, D]`` sits at absolute position ``Tk - Tq + t`` (bottom-right causal)
 and attends the keys ``j <= Tk - Tq + t`` of its selected blocks, shared by its GQA group. A tile

@@ -59,7 +59,7 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fp32.
 
     A decode step is always per token: ``cfg.query_tile`` and ``cfg.tile_reduce`` are ignored by
-    design (``PISA_SPEC.md`` §11), so with ``query_tile > 1`` the step equals prefill's row of
+    design (``docs/spec.md`` §11), so with ``query_tile > 1`` the step equals prefill's row of
     a per-token selection (``query_tile=1``), not of the tile-shared one."""
     cfg = dataclasses.replace(cfg, query_tile=1, tile_reduce="sum")  # one token: any reduction
     where = dict(mins=mins, maxs=maxs, block_table=block_table, cache_batch_idx=cache_batch_idx)

@@ -10,7 +10,7 @@ Layout (contiguous form, per layer; shared with ``decode.torch`` and ``decode.tr
   and holds the sum of those of its keys that lie before ``cache_seqlens[b]``; rows past the
   sequence are zero.
 - ``cache_seqlens [B]`` int32: valid keys per sequence.
-- Optional, for ``scorer="bound"`` (``PISA_SPEC.md`` §11): ``mins, maxs [B, N_total, HKV, D]`` in
+- Optional, for ``scorer="bound"`` (``docs/spec.md`` §11): ``mins, maxs [B, N_total, HKV, D]`` in
   the layout and dtype of ``sums``: every node's per-channel min and max over its keys that lie
   before ``cache_seqlens[b]``. A node without such keys (past the sequence) holds ``+inf`` in
   ``mins`` and ``-inf`` in ``maxs``, the neutral values of the updates, so a partially filled

@@ -24,7 +24,7 @@ walk equals prefill's):
   summed over heads, and ``tl.topk`` over packed (score, index) keys keeps ``W``. Per ranked level
   that is ``g`` loads of the candidates' child sums (in flight together, ``num_stages``
   permitting), their dots and the top-k.
-- ``beam_leaf`` (``W2``, ``PISA_SPEC.md`` §11): level 2, whose children are the leaves, keeps
+- ``beam_leaf`` (``W2``, ``docs/spec.md`` §11): level 2, whose children are the leaves, keeps
   ``W2`` instead of ``W``. With ``W2 == W`` (``beam_leaf`` None or ``beam``) the kernel is the
   single-beam one: one loop over every ranked level, the leaf stage over ``[WP]``. Otherwise the
   loop ranks the levels above 2 and level 2 is ranked after it into a register tile of its own
@@ -508,7 +508,7 @@ def beam_widths(cfg: SelectConfig, n_leaves: int) -> tuple[int, int, int, int]:
     at the leaf count (no level has more candidates, so the cap changes no selection), and their
     register widths: ``WP`` for the levels above (>= 4: the candidates' 4 forced-parent slots, and
     >= 16 candidate columns), ``WPL`` for level 2, at most the ``2 * g * WP`` candidates a level
-    holds (every level-2 node the leaf stage may take fits it: ``PISA_SPEC.md`` §11 and
+    holds (every level-2 node the leaf stage may take fits it: ``docs/spec.md`` §11 and
     ``select.triton._beam_geometry``). ``WPL == WP`` when ``W2 == W`` (``beam_leaf`` None or
     ``beam``): the kernel of a single beam. ``ValueError`` for widths whose register tiles
     (``2 * g * WP`` candidates of a level, ``2 * g * WPL`` of the leaf stage) pass 1024."""

@@ -1,4 +1,4 @@
-"""The pyramid oracle: fp64, Python loops, small N only (``PISA_SPEC.md`` §2, §11)."""
+"""The pyramid oracle: fp64, Python loops, small N only (``docs/spec.md`` §2, §11)."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,7 @@
 """The selection oracle: fp64, Python loops, small N only.
 
 Every faster implementation is tested against this file, so it follows the spec
-(``PISA_SPEC.md`` §2–§5, §11) line by line and favours clarity over speed.
+(``docs/spec.md`` §2–§5, §11) line by line and favours clarity over speed.
 
 Conventions shared with every backend
 -------------------------------------

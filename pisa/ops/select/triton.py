@@ -1,7 +1,7 @@
 """Pyramid block selection (Triton): the walk down the pyramid and the exact leaf stage, per query
-token or per query tile (``query_tile``, ``PISA_SPEC.md`` §11).
+token or per query tile (``query_tile``, ``docs/spec.md`` §11).
 
-Semantics are those of ``naive.naive_select`` (the oracle) and ``PISA_SPEC.md`` §3-§4, §11; on
+Semantics are those of ``naive.naive_select`` (the oracle) and ``docs/spec.md`` §3-§4, §11; on
 random inputs the selections equal the oracle's exactly. Three launches and a sort, whatever the
 tile (``Qt = 1`` is per-token selection):
 

@@ -82,7 +82,7 @@ class SelectConfig:
     selector: str = "pyramid"
     forced_in_budget: bool = True
     scale: float = 0.125
-    # Selection v2 (PISA_SPEC.md §11), appended after the v1 fields that callers pass by position.
+    # Selection v2 (docs/spec.md §11), appended after the v1 fields that callers pass by position.
     # Tokens at absolute positions [i * query_tile, (i + 1) * query_tile) share one selection.
     query_tile: int = 1
     # Beam at the lowest internal level (level 2); None: ``beam``. Read it through ``beam_at``.

@@ -171,7 +171,7 @@ def test_decode_lengths_out_of_range_give_nan_rows(rng):
 
 
 # ------------------------------------------------------------------------------------------------
-# Selection v2 knobs (PISA_SPEC.md §11): beam_leaf, scorer="bound", query_tile
+# Selection v2 knobs (docs/spec.md §11): beam_leaf, scorer="bound", query_tile
 # ------------------------------------------------------------------------------------------------
 def _at(x, pos):
     """Rows ``x[b, pos[b] + i]`` for ``pos [B, L]``: ``[B, L, ...]``."""

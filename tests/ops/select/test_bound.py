@@ -1,4 +1,4 @@
-"""The bound scorer (``scorer="bound"``, ``PISA_SPEC.md`` §11): internal nodes ranked by
+"""The bound scorer (``scorer="bound"``, ``docs/spec.md`` §11): internal nodes ranked by
 ``log sum_r n_r exp(sum_d max(q_d min_rd, q_d max_rd))`` over their children ``r``."""
 import math
 

@@ -1,4 +1,4 @@
-"""Selection v2 (``PISA_SPEC.md`` §11): query tiles (``query_tile``), the level-wise beam
+"""Selection v2 (``docs/spec.md`` §11): query tiles (``query_tile``), the level-wise beam
 (``beam_leaf``) and the bound scorer, in the fp64 oracle and the vectorised torch backend."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Selection v2 in the Triton kernels (``PISA_SPEC.md`` §11): query tiles (``query_tile``), the
+"""Selection v2 in the Triton kernels (``docs/spec.md`` §11): query tiles (``query_tile``), the
 level-wise beam (``beam_leaf``), the token reductions (``tile_reduce``: sum, lse, qmean) and the
 bound scorer, through ``pisa.ops.select.select(..., "triton")``, against the fp64 oracle.
 
