@@ -8,7 +8,7 @@ scans, and walks whose beam covers every block). A caller that already holds the
 With ``query_tile = Qt > 1`` a selection has a row per query tile (``n_query_tiles``) instead of
 per token; ``tiles_to_tokens`` expands it to per-token rows.
 
-Packed sequences (``pisa.ops.varlen``) run on one layout row (``B = 1``) with ``blk0``, the first
+Packed sequences (``pisa.ops.utils.varlen``) run on one layout row (``B = 1``) with ``blk0``, the first
 block of each block's sequence (``-1``: a block without queries): every selector then keeps to
 the row's own sequence, whose first block is its sink.
 """

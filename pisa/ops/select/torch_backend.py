@@ -241,7 +241,7 @@ def select_torch(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
     counts [B, n_tiles, HKV])``, ``n_tiles = n_query_tiles(Tq, Tk, cfg.query_tile)`` (``Tq`` for
     per-token selection). ``pyramid``: that of ``k``, built here when not given (or when
     ``scorer="bound"`` needs bounds it lacks). ``blk0 [cdiv(Tk, C)]`` int32, a packed layout's
-    (``B = 1``, ``pisa.ops.varlen``): the first block of each block's sequence, the sink of its
+    (``B = 1``, ``pisa.ops.utils.varlen``): the first block of each block's sequence, the sink of its
     rows, ``-1`` for a block without queries (its rows come back empty).
 
     Runs under ``torch.no_grad``: selection is not differentiable.

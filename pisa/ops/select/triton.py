@@ -1001,7 +1001,7 @@ def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig, p
     for ``scorer="bound"``). Returns ``block_idx [B, n_tiles, HKV, cfg.slots] int32`` (ascending,
     ``-1`` padded) and ``counts [B, n_tiles, HKV] int32``, ``n_tiles = n_query_tiles(Tq, Tk,
     cfg.query_tile)`` (``Tq`` for per-token selection). ``blk0 [cdiv(Tk, C)]`` int32, for a packed
-    layout of sequences (``B = 1``, ``pisa.ops.varlen``): each block's sink, the first block of
+    layout of sequences (``B = 1``, ``pisa.ops.utils.varlen``): each block's sink, the first block of
     its sequence, ``-1`` for a block without queries (its rows are left empty)."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
