@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -43,18 +44,36 @@ def test_block_count():
     assert len(_blocks()) == N_PYTHON_BLOCKS
 
 
-@pytest.mark.parametrize("index", range(N_PYTHON_BLOCKS))
-def test_block_runs(index, tmp_path):
-    block = _blocks()[index]
-    if "transformers" in block:
-        pytest.importorskip("transformers", minversion="5.0")  # the `test` extra has it
-    script = tmp_path / f"readme_block_{index}.py"
+def _run(index: int, block: str, folder: Path) -> subprocess.CompletedProcess:
+    """Run ``block`` as ``python3 readme_block_<index>.py`` in ``folder``, as a user would (no
+    ``TRITON_INTERPRET``, which conftest sets for the kernels' tests), with this checkout's pisa,
+    a free port for the CP block's process group and one torch thread (the blocks run side by
+    side; two threads each on two cores spent twice the CPU time for the same wall time)."""
+    script = folder / f"readme_block_{index}.py"
     script.write_text(block)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        "MASTER_PORT": str(_free_port())}  # the CP block's process group, clear of other runs
-    env.pop("TRITON_INTERPRET", None)  # as a user runs it (conftest sets it for the kernels' tests)
-    run = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+        "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, script.name], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every block's run, started together: interpreter start-up and imports, single-threaded,
+    are most of each block's time, so as many at once as there are cores cut the file's time."""
+    blocks = _blocks()
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        yield [pool.submit(_run, i, block, tmp_path_factory.mktemp(f"block{i}"))
+               for i, block in enumerate(blocks)]
+
+
+@pytest.mark.parametrize("index", range(N_PYTHON_BLOCKS))
+def test_block_runs(index, runs):
+    block = _blocks()[index]
+    if "transformers" in block:
+        pytest.importorskip("transformers", minversion="5.0")  # the `test` extra has it
+    run = runs[index].result()
     assert run.returncode == 0, (f"README python block {index} exited {run.returncode}:\n"
                                  f"{block}\n--- stderr ---\n{run.stderr}")
