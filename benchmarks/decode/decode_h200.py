@@ -149,12 +149,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="batch 1 and 16 at 32K and 1M only (and the sweep), no prefill")
     ap.add_argument("--out", type=Path, default=None,
-                    help="default benchmarks/results/decode_h200.json (_quick.json with --quick)")
+                    help="default decode_h200.json (_quick.json with --quick), here")
     args = ap.parse_args()
     if args.quick:
         args.lengths, args.batches, args.prefill_len = [32768, 1 << 20], [1, 16], 0
     if args.out is None:
-        args.out = Path(f"benchmarks/results/decode_h200{'_quick' if args.quick else ''}.json")
+        args.out = Path(f"decode_h200{'_quick' if args.quick else ''}.json")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     cfg = SelectConfig(block_size=C, topk=K, branching=G_BR, beam=W, scale=D ** -0.5)

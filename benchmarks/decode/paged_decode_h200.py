@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, Triton interpreter, tiny shapes (1x256 and 2x128 unless --shapes)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="default benchmarks/results/paged_decode_h200.json (none with --smoke)")
+                    help="default paged_decode_h200.json here (none with --smoke)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -146,7 +146,7 @@ def main() -> None:
             sys.exit("needs a CUDA GPU (or --smoke)")
         p = A
         if args.out is None:
-            args.out = Path("benchmarks/results/paged_decode_h200.json")
+            args.out = Path("paged_decode_h200.json")
     out = Results(args.out, device)
 
     def row(op, impl, backend, B, T, ms, p, **extra):
