@@ -11,13 +11,18 @@
   length), both ``pisa.bench``'s.
 - Config A (``docs/spec.md`` §10): bf16, B = 1, HQ = 64, HKV = 4, D = 128, C = 64, K = W = 16,
   g = 2; ``CONFIGS`` holds the (HQ, HKV, D) of configs A and B.
+- Inputs: ``randn_qkv`` (seeded random q, k, v), ``random_selection`` (valid random block
+  selections for the attention kernels alone).
 - Results: ``Results`` collects rows of the project's schema (``pisa.results.result_row``) and
-  writes ``{"meta", "rows"}`` through ``pisa.results.write_result``.
+  writes ``{"meta", "rows"}`` through ``pisa.results.write_result``; ``read_results`` and
+  ``header`` read them back for the report scripts.
 
-Scripts run as ``python benchmarks/<script>.py`` import this as ``from common import ...`` (their
-folder is on ``sys.path``). Where ``pisa`` is neither installed nor on ``PYTHONPATH``, importing
-this puts the repository root on ``sys.path``, so ``pisa`` imports from an uninstalled checkout
-(an installed or ``PYTHONPATH`` one wins: a before/after comparison picks its checkout that way).
+Scripts live in ``benchmarks/<concern>/`` and run as files, ``python benchmarks/<concern>/<x>.py``
+(from any directory). Each puts its parent folder, ``benchmarks/``, on ``sys.path`` in one line
+before ``from common import ...``. Where ``pisa`` is neither installed nor on ``PYTHONPATH``,
+importing this puts the repository root on ``sys.path``, so ``pisa`` imports from an uninstalled
+checkout (an installed or ``PYTHONPATH`` one wins: a before/after comparison picks its checkout
+that way, which ``python -m`` from the repository root would defeat).
 """
 from __future__ import annotations
 
@@ -41,14 +46,16 @@ from pisa.results import default_device, meta, result_row, write_result  # noqa:
 __all__ = ["knob_sweep", "kernel_times", "time_ms", "graph_ms", "graph_warm_ms", "cuda_graph",
            "dense_attention", "dense_backend", "pisa_backend", "dense_decode", "keys_attended",
            "peak_gb", "reset_peak", "default_device", "meta", "result_row", "write_result",
-           "command", "shape", "randn_qkv", "fwd_bwd", "attn_tflops", "Results", "CONFIGS", "DTYPE",
-           "BATCH", "HQ", "HKV", "D", "C", "K", "W", "G_BR"]
+           "read_results", "header", "command", "shape", "randn_qkv", "random_selection",
+           "fwd_bwd", "attn_tflops", "Results", "CONFIGS", "DTYPE", "BATCH", "HQ", "HKV", "D",
+           "C", "K", "W", "G_BR"]
 
 # Config A
 DTYPE = torch.bfloat16
 BATCH, HQ, HKV, D = 1, 64, 4, 128
 C, K, W, G_BR = 64, 16, 16, 2  # block size, blocks per query, beam, pyramid branching
 CONFIGS = {"A": (HQ, HKV, D), "B": (32, 8, 128)}  # (HQ, HKV, D)
+_BIG = 1 << 30  # random_selection: a block index past every real one (sorts last, then -1)
 
 
 def pisa_backend(device: str) -> str:
@@ -86,6 +93,33 @@ def randn_qkv(T: int, HQ: int = HQ, HKV: int = HKV, D: int = D, *, B: int = BATC
     gen = torch.Generator(device=device).manual_seed(seed)
     return tuple(torch.randn(B, T, h, D, device=device, dtype=dtype, generator=gen)
                  .requires_grad_(requires_grad) for h in (HQ, HKV, HKV))
+
+
+def random_selection(B, T, H, C, K, share, seed=0, device="cuda"):
+    """[B, T, H, K] int32: forced {0, cur-1, cur} plus up to K-3 distinct random blocks in
+    [1, cur-2], shared by aligned groups of ``share`` tokens; all causal blocks when they fit."""
+    g = torch.Generator(device).manual_seed(seed)
+    cur = torch.arange(T, device=device) // C
+    n_draw = 4 * (K - 3)
+
+    def per_group(shape):  # the same random numbers for every token of a group
+        x = torch.rand(B, -(-T // share), H, *shape, generator=g, device=device)
+        return x.repeat_interleave(share, 1)[:, :T]
+
+    span = (cur - 2).clamp_min(0)[None, :, None, None]
+    draws = torch.where(span > 0, 1 + (per_group([n_draw]) * span).long(), _BIG).sort(-1).values
+    dup = torch.zeros_like(draws, dtype=torch.bool)
+    dup[..., 1:] = draws[..., 1:] == draws[..., :-1]
+    draws = torch.where(dup, _BIG, draws)
+    priority = torch.where(draws == _BIG, 2.0, per_group([n_draw]))
+    picks = draws.gather(-1, priority.argsort(-1)[..., :K - 3])
+    c = cur[None, :, None, None].expand(B, T, H, 1)
+    forced = torch.cat([torch.zeros_like(c), torch.where(c >= 2, c - 1, _BIG),
+                        torch.where(c >= 1, c, _BIG)], -1)
+    idx = torch.cat([forced, picks], -1).sort(-1).values
+    dense = torch.arange(K, device=device).expand(B, T, H, K)
+    idx = torch.where((c + 1 <= K), torch.where(dense <= c, dense, _BIG), idx)
+    return torch.where(idx >= _BIG, -1, idx).to(torch.int32).contiguous()
 
 
 def fwd_bwd(fwd, grad: torch.Tensor, leaves):
@@ -166,6 +200,17 @@ def graph_warm_ms(fn) -> float:
     (triton's ``do_bench_cudagraph``)."""
     import triton.testing
     return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
+
+
+def read_results(paths) -> list[dict]:
+    """The result files at ``paths`` (``{"meta", "rows", ...}`` each), in order."""
+    return [json.loads(Path(p).read_text()) for p in paths]
+
+
+def header(meta: dict) -> str:
+    """Two markdown lines naming a result's card, versions, date and command."""
+    return (f"{meta['device']} · torch {meta['torch']} · triton {meta['triton']} · {meta['date']}"
+            f"  \n`{meta['command']}`\n")
 
 
 class Results:

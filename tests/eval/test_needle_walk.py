@@ -3,7 +3,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "needle_walk.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quality" / "needle_walk.py"
 
 
 def _script():

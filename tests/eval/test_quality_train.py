@@ -1,5 +1,6 @@
-"""CPU smoke test of benchmarks/quality_train.py: every arm trains a few steps and evaluates
-(pisa through the torch backend), and the launcher merges its runs into the result schema."""
+"""CPU smoke test of benchmarks/quality/quality_train.py: every arm trains a few steps and
+evaluates (pisa through the torch backend), and the launcher merges its runs into the result
+schema."""
 import importlib.util
 import itertools
 import json
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "quality_train.py"
+SCRIPT = REPO / "benchmarks" / "quality" / "quality_train.py"
+TABLES = REPO / "benchmarks" / "quality" / "quality_tables.py"
 ROW_KEYS = {"task", "arm", "K", "seed", "train_T", "test_T", "metric", "value", "steps",
             "schedule", "query_tile", "beam_leaf"}
 TASK_ROWS = {"needle_single", "needle_multi", "assoc_recall", "var_track", "aggregate"}
@@ -337,7 +339,7 @@ def test_launcher_calibrates_one_step_count_and_merges_runs_into_the_schema(site
     assert {"quality_logs/launch.log", "quality_logs/pisa4_warmup_s0.log",
             "quality_logs/dense_lr0.004_s0.json"} <= names
     md, png = tmp_path / "q.md", tmp_path / "q.png"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "quality_tables.py"),
+    subprocess.run([sys.executable, str(TABLES),
                     str(out / "quality_trained.json"), "--md", str(md), "--png", str(png)],
                    check=True, capture_output=True, timeout=120)
     text = md.read_text()
@@ -393,7 +395,7 @@ def test_tables_pool_launches_and_show_wider_walks(tmp_path):
         paths.append(tmp_path / f"l{i}.json")
         paths[-1].write_text(json.dumps(launch(arms, f"d{i}")))
     md = tmp_path / "q.md"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "quality_tables.py"),
+    subprocess.run([sys.executable, str(TABLES),
                     *map(str, paths), "--md", str(md), "--png", ""],
                    check=True, capture_output=True, timeout=120)
     text = md.read_text()
@@ -408,14 +410,9 @@ def test_tables_pool_launches_and_show_wider_walks(tmp_path):
 
 
 def _tables():
-    spec = importlib.util.spec_from_file_location(
-        "quality_tables", REPO / "benchmarks" / "quality_tables.py")
+    spec = importlib.util.spec_from_file_location("quality_tables", TABLES)
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO / "benchmarks"))  # its `from tables import header`
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    spec.loader.exec_module(module)
     return module
 
 

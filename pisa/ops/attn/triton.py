@@ -421,7 +421,7 @@ class KernelConfig:
     least ``tile_min_rows`` (a smaller tile is padded); a dK/dV step gathers ``tile_dkv_rows``
     rows (several small tiles, or a part of a large one).
 
-    The defaults are the best of ``benchmarks/tile_tune.py`` on the H200 (config A at 128K,
+    The defaults are the best of ``benchmarks/tuning/tile_tune.py`` on the H200 (config A at 128K,
     ``tile_tune_h200_*.json``): dK/dV wants small steps at 4 warps (32 rows: 31 ms per token,
     30 ms for 16-token tiles, against 52 / 54 ms at 64 rows and 8 warps). The per-token forward
     and dQ keep 64 rows: their programs walk the union of their tokens' selections, which the

@@ -869,7 +869,7 @@ def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool, residuals: b
 
 @dataclass(frozen=True)
 class SelectKernelConfig:
-    """Launch knobs of the selection kernels (``benchmarks/select_tune.py`` sweeps them).
+    """Launch knobs of the selection kernels (``benchmarks/tuning/select_tune.py`` sweeps them).
     ``walk_stages`` / ``leaf_stages`` drop to 1 where 2 stages would pass 160 KB of shared
     memory; ``leaf_rows`` (query rows a leaf-stage dot) shrinks where the ``[rows, g * C]`` fp32
     accumulator would pass 16K elements (128 registers a thread at 4 warps); ``leaf_chunk``

@@ -1,6 +1,6 @@
 """Render result files (the project's row schema) as markdown tables for ``docs/``.
 
-    python benchmarks/tables.py benchmarks/results/train_h200.json [--pivot]
+    python benchmarks/report/tables.py benchmarks/results/train_h200.json [--pivot]
 
 Plain mode prints one line per row; ``--pivot`` prints one line per T with a column per (op, impl)
 holding milliseconds.
@@ -8,7 +8,11 @@ holding milliseconds.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import header, read_results
 
 COLS = ("op", "impl", "backend", "B", "T", "HQ", "HKV", "D", "K", "C", "g", "W", "dtype", "ms",
         "peak_gb", "recall", "mass")
@@ -20,11 +24,6 @@ def fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
     return str(x)
-
-
-def header(meta: dict) -> str:
-    return (f"{meta['device']} · torch {meta['torch']} · triton {meta['triton']} · {meta['date']}"
-            f"  \n`{meta['command']}`\n")
 
 
 def plain(result: dict) -> str:
@@ -55,8 +54,7 @@ def main() -> None:
     ap.add_argument("path")
     ap.add_argument("--pivot", action="store_true")
     args = ap.parse_args()
-    with open(args.path) as f:
-        result = json.load(f)
+    result, = read_results([args.path])
     print(header(result["meta"]))
     print(pivot(result) if args.pivot else plain(result))
 

@@ -13,7 +13,7 @@ compiled by an earlier run is reused) times
 The bar (issue 12): after one warm-up call, every first call at a new length costs < 1.5x its
 steady state.
 
-    python benchmarks/cold_start.py --json benchmarks/results/cold_start_h200.json
+    python benchmarks/checks/cold_start.py --json benchmarks/results/cold_start_h200.json
 """
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 
 BAR = 1.5
 

@@ -1,8 +1,9 @@
 """Decode latency per step on one GPU: PISA's fused Triton decode kernel against dense SDPA over the
 same KV cache, plus the prefill of a long prompt (issue 4's benchmark).
 
-    python benchmarks/decode_h200.py --out benchmarks/results/decode_h200.json
-    python benchmarks/decode_h200.py --quick  # 32K and 1M, batch 1 and 16, the sweep
+    python benchmarks/decode/decode_h200.py --lengths 1048576 --batches 1 16 --splits --warps \
+        --stages --sweep-lengths --prefill-len 0 --out benchmarks/results/decode_h200_v3.json
+    python benchmarks/decode/decode_h200.py --quick  # 32K and 1M, batch 1 and 16, the sweep
 
 Config A (docs/spec.md §10): bf16, HQ=64, HKV=4, D=128, C=64, K=16, W=16, g=2; batch 1 and 16;
 contexts 32K, 64K, ..., 1M. Each ``PisaCache`` is filled to its full length with random keys and
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (C, D, DTYPE, G_BR, HKV, HQ, K, W, Results, dense_attention,
                     dense_decode, graph_ms, graph_warm_ms, peak_gb, randn_qkv, reset_peak,
                     result_row, shape, time_ms)
@@ -147,12 +149,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="batch 1 and 16 at 32K and 1M only (and the sweep), no prefill")
     ap.add_argument("--out", type=Path, default=None,
-                    help="default benchmarks/results/decode_h200.json (_quick.json with --quick)")
+                    help="default decode_h200.json (_quick.json with --quick), here")
     args = ap.parse_args()
     if args.quick:
         args.lengths, args.batches, args.prefill_len = [32768, 1 << 20], [1, 16], 0
     if args.out is None:
-        args.out = Path(f"benchmarks/results/decode_h200{'_quick' if args.quick else ''}.json")
+        args.out = Path(f"decode_h200{'_quick' if args.quick else ''}.json")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     cfg = SelectConfig(block_size=C, topk=K, branching=G_BR, beam=W, scale=D ** -0.5)

@@ -7,10 +7,13 @@ cache of ``--decode-len`` (1M) keys (no append), captured in a CUDA graph and re
 ``decode_h200.py`` times it; ``decode_eager``: the same step called from Python, input checks and
 launch overhead included). The checkouts alternate ``--rounds`` times, each in a fresh process
 whose ``PYTHONPATH`` is the checkout (so each imports its own ``pisa``); a row's ``ms`` is the
-median over rounds of ``time_ms`` (``pisa.bench``: do_bench medians, CUDA events).
+median over rounds of ``time_ms`` (``pisa.bench``: do_bench medians, CUDA events). The child
+processes import nothing but the checkout's ``pisa`` (``common`` would bind them to this
+checkout's helpers, which an older tree's ``pisa.bench`` may lack); this process writes the rows
+and meta through ``common``.
 
     mkdir .before && git archive de2d551 pisa | tar -x -C .before   # the tree before the move
-    python benchmarks/regression.py --trees before=.before after=. --json results.json
+    python benchmarks/checks/regression.py --trees before=.before after=. --json results.json
 
 Rows use the project's schema (``pisa.results``) with extra columns ``tree`` and ``round_ms``;
 ``meta["ratio"]`` gives ``after / before`` per op; ``meta["equivalence"]`` compares the trees'
@@ -162,8 +165,8 @@ def main() -> None:
             times[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"round {r} {name}: {times[name][-1]}", flush=True)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pisa
-    from pisa.results import meta, result_row, write_result
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+    from common import command, meta, result_row, write_result
     rows, med = [], {}
     for name, runs in times.items():
         for op, T in zip(OPS, lens + lens[-1:]):
@@ -182,8 +185,8 @@ def main() -> None:
         equivalence = {name: _compare(ref, torch.load(saves[name])) for name in names[1:]}
     ratio = {op: med[names[-1], op] / med[names[0], op] for op in OPS
              if (names[0], op) in med} if len(names) > 1 else {}
-    info = meta("cuda", "python " + " ".join(sys.argv), trees=trees, ratio=ratio,
-                equivalence=equivalence, compare_len=args.compare_len)
+    info = meta("cuda", command(), trees=trees, ratio=ratio, equivalence=equivalence,
+                compare_len=args.compare_len)
     write_result(args.json, info, rows)
     for (name, op), ms in med.items():
         print(f"{name:8s} {op:7s} {ms:9.3f} ms")

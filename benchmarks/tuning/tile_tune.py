@@ -1,6 +1,7 @@
 """Launch-knob sweep of the tile attention kernels (forward, dQ, dK/dV) on one GPU.
 
-    python benchmarks/tile_tune.py --json benchmarks/results/tile_tune_h200.json
+    python benchmarks/tuning/tile_tune.py --budget 170 --kernels dkv dq \
+        --json benchmarks/results/tile_tune_h200_qt16.json
 
 Config A at ``--len`` tokens (bf16, B=1, HQ=64, HKV=4, D=128, C=64, K=16), one random selection
 per query tile of ``--query-tile`` tokens (``attn_kernel.random_selection`` shared by the tile's
@@ -13,14 +14,15 @@ seconds stops the sweep early (what finished is written).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from attn_kernel import random_selection
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (C, D, HKV, HQ, K, Results, attn_tflops, keys_attended, knob_sweep,
-                    randn_qkv, result_row, shape)
+                    randn_qkv, random_selection, result_row, shape)
 from pisa.ops.attn import triton as kern
 
 # in forward passes (2 products of one QK^T's size each): dQ recomputes S and dP and forms dQ

@@ -2,8 +2,8 @@
 C = 64, K = W = 16) forward + backward, selection included, with its sequence over the ranks
 (``pisa.distributed.pisa_attn_cp``, zigzag shards) against ``pisa_attn`` on one GPU.
 
-    torchrun --nproc_per_node 2 benchmarks/cp_h200.py --json benchmarks/results/cp_h200.json
-    torchrun --nproc_per_node 2 benchmarks/cp_h200.py --smoke      # gloo on CPU, tiny (a check)
+    torchrun --nproc_per_node 2 benchmarks/distributed/cp_h200.py --json cp_h200.json
+    torchrun --nproc_per_node 2 benchmarks/distributed/cp_h200.py --smoke  # gloo on CPU, tiny
 
 Rows (``pisa.results`` schema; ``impl`` "cp" or "single", ``ranks``): ``ms`` is the slowest
 rank's median of ``--reps`` fwd + bwd steps (a barrier before each, so every rank starts
@@ -18,10 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import BATCH, C, D, DTYPE, HKV, HQ, K, W, Results, result_row, shape
 
 from pisa import pisa_attn

@@ -1,10 +1,11 @@
-"""Render ``quality_trained.json`` (benchmarks/quality_train.py) as ``docs/quality_trained.md``
-(mean +- std over seeds per task, arm, schedule and test length; LM loss against dense; the pisa
-runs re-evaluated with wider walks; where PISA loses) and ``docs/quality_trained.png`` (skipped
-when matplotlib is missing).
+"""Render the ``quality_trained.json`` of ``benchmarks/quality/quality_train.py`` as a markdown
+page (mean +- std over seeds per task, arm, schedule and test length; LM loss against dense; the
+pisa runs re-evaluated with wider walks; where PISA loses) and its plot (skipped when matplotlib
+is missing). The defaults render the current suite, ``docs/quality_trained_v2.md``:
 
-    python benchmarks/quality_tables.py benchmarks/results/quality_trained.json \\
-        --md docs/quality_trained.md --png docs/quality_trained.png
+    python benchmarks/quality/quality_tables.py benchmarks/results/quality_trained_v2.json \\
+        benchmarks/results/quality_trained_v2_b.json \\
+        --md docs/quality_trained_v2.md --png docs/quality_trained_v2.png
 
 Several files (launches of one protocol that ran different arms) render as one: their rows and
 runs are pooled, the first file's meta heads the page and every launch's command is listed.
@@ -12,11 +13,12 @@ runs are pooled, the first file's meta heads the page and every launch's command
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from pathlib import Path
 
-from tables import header
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import header, read_results
 
 RETRIEVAL = ("needle_single", "needle_multi", "assoc_recall", "var_track")
 ARM_ORDER = ("dense", "pisa", "pisa_qt1", "flat_mean", "flat_lse")
@@ -259,9 +261,9 @@ def markdown(res: Results, png: str | None) -> str:
              "Small GPTs (`pisa/eval/gpt.py`) trained at T = "
              f"{cfg.get('train_T')} on language modelling plus the synthetic tasks of "
              "`pisa/eval/tasks.py`, one model per run, evaluated at every length below. "
-             "Protocol: `benchmarks/quality_train.py` (docstring). Cells: mean ± std over seeds "
-             "(sample std; n = 3 unless shown). Accuracy = exact match per question; loss = "
-             "next-byte cross-entropy (nats) on held-out code "
+             "Protocol: `benchmarks/quality/quality_train.py` (docstring). Cells: mean ± std "
+             "over seeds (sample std; n = 3 unless shown). Accuracy = exact match per "
+             "question; loss = next-byte cross-entropy (nats) on held-out code "
              f"({', '.join(res.meta.get('corpus', {}).get('val_packages', []))}).", "",
              f"Model: width {cfg.get('width')}, {cfg.get('depth')} layers, {cfg.get('heads')} "
              f"query / {cfg.get('kv_heads')} KV heads, MLP {cfg.get('mlp')}; batch "
@@ -353,11 +355,12 @@ def pool(results: list[dict]) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json", nargs="*", default=["benchmarks/results/quality_trained.json"])
-    ap.add_argument("--md", default="docs/quality_trained.md")
-    ap.add_argument("--png", default="docs/quality_trained.png")
+    ap.add_argument("json", nargs="*", default=["benchmarks/results/quality_trained_v2.json",
+                                                "benchmarks/results/quality_trained_v2_b.json"])
+    ap.add_argument("--md", default="docs/quality_trained_v2.md")
+    ap.add_argument("--png", default="docs/quality_trained_v2.png")
     args = ap.parse_args(argv)
-    results = [json.loads(Path(p).read_text()) for p in args.json]
+    results = read_results(args.json)
     res = Results(results[0] if len(results) == 1 else pool(results))
     png = args.png if args.png and plot(res, args.png) else None
     Path(args.md).write_text(markdown(res, png))

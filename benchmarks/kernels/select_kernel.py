@@ -1,10 +1,11 @@
 """Block selection on one GPU: time, recall and captured mass of the three public selectors.
 
-    python benchmarks/select_kernel.py --json benchmarks/results/select_h200.json   # 16K..1M
-    python benchmarks/select_kernel.py --lengths 32768 --beams 16 32 64            # beam trade-off
+    python benchmarks/kernels/select_kernel.py --json select_h200.json   # 16K..1M
+    python benchmarks/kernels/select_kernel.py --lengths 32768 --beams 16 32 64  # beam trade-off
 
 Config A (docs/spec.md §10): B=1, HQ=64, HKV=4, D=128, C=64, K=16, g=2, bf16, all queries
-(Tq = Tk), per-token selection at the first wave's knobs (``query_tile=1``, ``scorer="lse"``). Times (``common.time_ms``) are of ``pisa_select`` (Triton) on random normal q/k, each
+(Tq = Tk), per-token selection at the first wave's knobs (``query_tile=1``, ``scorer="lse"``).
+Times (``common.time_ms``) are of ``pisa_select`` (Triton) on random normal q/k, each
 pyramid row (one per ``--beams`` width W) and ``flat_mean`` including the pyramid build, which the
 ``build`` row times alone (``pisa.ops.pyramid.build_pyramid``); ``flat_lse`` is the exact flat
 scan (~T^2, so only up to ``--flat-lse-max``). The pyramid row at the first beam carries
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import DTYPE, Results, pisa_backend, randn_qkv, result_row, shape, time_ms
 from pisa import pisa_select
 from pisa.eval import captured_mass, dense_lse, recall_at_k, structured_qkv

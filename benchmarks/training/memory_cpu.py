@@ -5,7 +5,7 @@ the inputs exist: ``select`` (pyramid selection) and ``fwdbwd`` (pisa_attn forwa
 Linear memory means the ratio between successive doublings stays near 2 (the outputs and gradients
 are themselves O(T)); a quadratic term would show as 4.
 
-    python benchmarks/memory_cpu.py --lengths 8192 16384 32768 65536 \
+    python benchmarks/training/memory_cpu.py --lengths 8192 16384 32768 65536 \
         --json benchmarks/results/memory_cpu.json
 """
 from __future__ import annotations
@@ -14,7 +14,9 @@ import argparse
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import Results, result_row, shape
 
 HQ, HKV, D, K, C = 8, 2, 64, 16, 64

@@ -1,6 +1,7 @@
 """Launch-knob sweep of the Triton pyramid selection (walk, leaf stage, top-K) on one GPU.
 
-    python benchmarks/select_tune.py --json benchmarks/results/select_tune_h200.json
+    python benchmarks/tuning/select_tune.py --budget 85 \
+        --json benchmarks/results/select_tune_h200.json
 
 Config A at ``--len`` tokens (bf16, B=1, HQ=64, HKV=4, D=128, C=64, K=16, g=2) at the library's
 default selection (16-token ``qmean`` tiles, the bound scorer, ``beam_leaf=32``; ``--query-tile
@@ -15,11 +16,13 @@ a GPU it runs on the CPU under ``TRITON_INTERPRET=1`` (a check that it runs, at 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import C, D, HKV, HQ, K, G_BR, Results, knob_sweep, randn_qkv, result_row, shape
 from pisa.ops.pyramid import build_pyramid
 from pisa.ops.select import triton as kern

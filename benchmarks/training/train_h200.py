@@ -16,7 +16,7 @@ attention kernels alone on the arm's selection (``attn_fwd``, ``attn_bwd``) with
 TFLOP/s, counting ``4 * HQ * D * keys attended`` per token (x2.5 for the backward). Peak memory per
 row; ``query_tile`` and ``beam_leaf`` columns.
 
-    python benchmarks/train_h200.py --config A --json benchmarks/results/train_h200.json
+    python benchmarks/training/train_h200.py --config A --json benchmarks/results/train_h200.json
 
 ``--device cpu`` runs the PISA and flat rows through the torch backend (a smoke test at small
 lengths).
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (CONFIGS, DTYPE, G_BR, Results, attn_tflops, dense_attention, dense_backend,
                     fwd_bwd, keys_attended, peak_gb, pisa_backend, randn_qkv, reset_peak,
                     result_row, shape, time_ms)

@@ -1,6 +1,6 @@
 """A packed batch through a random-weight Llama with ``attn_implementation="pisa"`` on one GPU.
 
-    python benchmarks/hf_packed_h200.py --out benchmarks/results/hf_packed_h200.json
+    python benchmarks/training/hf_packed_h200.py --out benchmarks/results/hf_packed_h200.json
 
 ``DataCollatorWithFlattening`` packs ``--docs`` random documents of ragged lengths (up to
 ``--max-len`` tokens) into one row whose ``position_ids`` restart at each document (with
@@ -15,10 +15,12 @@ shapes on the CPU (torch backend).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import Results, peak_gb, reset_peak, result_row, time_ms
 
 

@@ -1,6 +1,7 @@
 """The sparse attention kernels alone, given a selection, against dense cuDNN attention on one GPU.
 
-    python benchmarks/attn_kernel.py --json benchmarks/results/attn_kernel_h200.json
+    python benchmarks/kernels/attn_kernel.py --seqlens 131072 --share 1,16 --query-tiles 16 \
+        --no-dense --json benchmarks/results/attn_kernel_tiles_h200.json
 
 Times ``pisa_attn(q, k, v, block_idx=...)`` (Triton; the selection step skipped), forward and
 forward + backward, and dense causal attention (``common.dense_attention``: SDPA forced to cuDNN)
@@ -28,38 +29,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (DTYPE, Results, attn_tflops, dense_attention, dense_backend, fwd_bwd,
-                    keys_attended, pisa_backend, randn_qkv, result_row, shape, time_ms)
+                    keys_attended, pisa_backend, randn_qkv, random_selection, result_row, shape,
+                    time_ms)
 from pisa import pisa_attn
-
-BIG = 1 << 30
-
-
-def random_selection(B, T, H, C, K, share, seed=0, device="cuda"):
-    """[B, T, H, K] int32: forced {0, cur-1, cur} plus up to K-3 distinct random blocks in
-    [1, cur-2], shared by aligned groups of ``share`` tokens; all causal blocks when they fit."""
-    g = torch.Generator(device).manual_seed(seed)
-    cur = torch.arange(T, device=device) // C
-    n_draw = 4 * (K - 3)
-
-    def per_group(shape):  # the same random numbers for every token of a group
-        x = torch.rand(B, -(-T // share), H, *shape, generator=g, device=device)
-        return x.repeat_interleave(share, 1)[:, :T]
-
-    span = (cur - 2).clamp_min(0)[None, :, None, None]
-    draws = torch.where(span > 0, 1 + (per_group([n_draw]) * span).long(), BIG).sort(-1).values
-    dup = torch.zeros_like(draws, dtype=torch.bool)
-    dup[..., 1:] = draws[..., 1:] == draws[..., :-1]
-    draws = torch.where(dup, BIG, draws)
-    priority = torch.where(draws == BIG, 2.0, per_group([n_draw]))
-    picks = draws.gather(-1, priority.argsort(-1)[..., :K - 3])
-    c = cur[None, :, None, None].expand(B, T, H, 1)
-    forced = torch.cat([torch.zeros_like(c), torch.where(c >= 2, c - 1, BIG),
-                        torch.where(c >= 1, c, BIG)], -1)
-    idx = torch.cat([forced, picks], -1).sort(-1).values
-    dense = torch.arange(K, device=device).expand(B, T, H, K)
-    idx = torch.where((c + 1 <= K), torch.where(dense <= c, dense, BIG), idx)
-    return torch.where(idx >= BIG, -1, idx).to(torch.int32).contiguous()
 
 
 def rel_err(x, ref):

@@ -11,19 +11,21 @@ coarse levels. The default walk (``pisa``) ranks internal nodes by per-channel k
 do not dilute the needle (``docs/spec.md`` §11).
 This isolates the walk's pruning from training effects (see ``docs/quality.md``).
 
-    python benchmarks/needle_walk.py --json benchmarks/results/needle_walk.json
-    python benchmarks/needle_walk.py --table benchmarks/results/needle_walk.json  # docs table
+    python benchmarks/quality/needle_walk.py --json benchmarks/results/needle_walk.json
+    python benchmarks/quality/needle_walk.py --table benchmarks/results/needle_walk.json  # table
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import meta, read_results, write_result
+
 from pisa import pisa_select
-from pisa.results import meta, write_result
 
 D, C, K = 64, 64, 16
 
@@ -86,8 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--table", help="print the markdown table of this results file and exit")
     args = ap.parse_args(argv)
     if args.table:
-        with open(args.table) as f:
-            print(markdown(json.load(f)["rows"]))
+        print(markdown(read_results([args.table])[0]["rows"]))
         return
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
@@ -100,7 +101,7 @@ def main(argv=None) -> None:
                   flush=True)
     if args.json:
         given = sys.argv[1:] if argv is None else argv
-        m = meta("cpu", "python benchmarks/needle_walk.py " + " ".join(given))
+        m = meta("cpu", "python benchmarks/quality/needle_walk.py " + " ".join(given))
         m.update({"D": D, "C": C, "K": K, "branching": 2, "trials": args.trials,
                   "notes": "hit_rate = share of trials whose needle block is selected by the "
                            "last query; z = the needle's logit minus the mean logit (logit "

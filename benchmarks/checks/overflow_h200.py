@@ -17,14 +17,18 @@ The reference (``_reference``) recomputes, in fp32 with autograd, the attention 
 rows over the blocks the selection gave them; a key block's ``dk`` / ``dv`` come from every query
 that chose it, so for a sampled block all of them are taken. Errors are relative L2 norms.
 
-    python benchmarks/overflow_h200.py --json benchmarks/results/overflow_h200.json
+    python benchmarks/checks/overflow_h200.py --json benchmarks/results/overflow_h200.json
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import C, K, command, meta, write_result
 
 from pisa import pisa_attn, pisa_select

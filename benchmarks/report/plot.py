@@ -1,15 +1,19 @@
 """Log-log plot of time against T from result files (one line per (op, impl), the rows of every
 file together: a sweep saved in pieces plots as one).
 
-    python benchmarks/plot.py benchmarks/results/train_h200.json --out docs/train_h200.png \
+    python benchmarks/report/plot.py benchmarks/results/train_h200.json --out docs/train_h200.png \
         --ops select fwdbwd
-    python benchmarks/plot.py benchmarks/results/decode_h200.json --out docs/decode_h200.png \
-        --ops decode --batches 1 16
+    python benchmarks/report/plot.py benchmarks/results/history/decode_h200.json \
+        --out docs/decode_h200.png --ops decode --batches 1 16
 """
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import read_results
 
 
 def main() -> None:
@@ -23,12 +27,9 @@ def main() -> None:
     import matplotlib  # after the arguments: --help works without it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows, metas = [], []
-    for path in args.paths:
-        with open(path) as f:
-            result = json.load(f)
-        rows += result["rows"]
-        metas.append(result["meta"])
+    results = read_results(args.paths)
+    rows = [r for result in results for r in result["rows"]]
+    metas = [result["meta"] for result in results]
     panels = [(op, b) for op in args.ops for b in args.batches]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (op, batch) in zip(axes[0], panels):

@@ -1,17 +1,21 @@
 """Per-kernel CUDA time of ``pisa_select`` (config A, bf16; per token, or at the selection-v2
 knobs given) under torch.profiler, for the
 checkout that ``pisa`` imports from (run it with ``PYTHONPATH=<tree>`` from outside that tree, so a
-before/after pair compares kernels, not timers).
+before/after pair compares kernels, not timers). The total is triton's ``do_bench`` median called
+here, not ``common.time_ms`` (``pisa.bench``'s, which would come from the tree under test).
 
-    PYTHONPATH=.before python benchmarks/select_profile.py --json before.json
+    PYTHONPATH=.before python benchmarks/kernels/select_profile.py --json before.json
 """
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import C, HKV, HQ, K, D, command, kernel_times, meta, randn_qkv, write_result
 
 import pisa

@@ -15,7 +15,7 @@ with peak memory, as rows of ``pisa.results`` written to ``--out``; ``--profile`
 row its 12 longest kernels (``common.kernel_times``: device ms per call), to see where varlen's
 extra time goes.
 
-    python benchmarks/varlen_h200.py --out benchmarks/results/varlen_h200.json
+    python benchmarks/training/varlen_h200.py --profile --out benchmarks/results/varlen_h200_v2.json
 
 ``--smoke`` runs tiny sizes through the torch backend on the CPU (a check that it runs).
 """
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (CONFIGS, DTYPE, G_BR, Results, fwd_bwd, kernel_times, peak_gb, pisa_backend,
                     reset_peak, result_row, shape, time_ms)
 from pisa import pisa_attn, pisa_attn_varlen

@@ -1,8 +1,8 @@
 """Paged against contiguous KV cache: PISA's fused decode step per token on one GPU (issue 15
 part 3's benchmark; the bar: paged <= 1.1x contiguous).
 
-    python benchmarks/paged_decode_h200.py --out benchmarks/results/paged_decode_h200.json
-    python benchmarks/paged_decode_h200.py --smoke   # CPU, Triton interpreter, tiny shapes
+    python benchmarks/decode/paged_decode_h200.py --out benchmarks/results/paged_decode_h200_v2.json
+    python benchmarks/decode/paged_decode_h200.py --smoke   # CPU, Triton interpreter, tiny shapes
 
 Config A (``docs/spec.md`` §10): bf16, HQ=64, HKV=4, D=128, C=64, K=16, W=16, g=2, at 1M batch 1
 and 128K batch 16 (``--shapes``). The contiguous ``PisaCache`` is filled to its full length with
@@ -38,6 +38,7 @@ if "--smoke" in sys.argv:  # before triton is imported
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (DTYPE, G_BR, Results, graph_ms, graph_warm_ms, peak_gb,  # noqa: E402
                     reset_peak, result_row, time_ms)
 from pisa import PagedPisaCache, PisaCache, pisa_attn_with_kvcache  # noqa: E402
@@ -133,7 +134,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, Triton interpreter, tiny shapes (1x256 and 2x128 unless --shapes)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="default benchmarks/results/paged_decode_h200.json (none with --smoke)")
+                    help="default paged_decode_h200.json here (none with --smoke)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -145,7 +146,7 @@ def main() -> None:
             sys.exit("needs a CUDA GPU (or --smoke)")
         p = A
         if args.out is None:
-            args.out = Path("benchmarks/results/paged_decode_h200.json")
+            args.out = Path("paged_decode_h200.json")
     out = Results(args.out, device)
 
     def row(op, impl, backend, B, T, ms, p, **extra):

@@ -1,19 +1,25 @@
 """Learnability probe: train a dense small GPT (``pisa.eval.gpt``) on ONE synthetic task for a
 fixed wall-clock time and log its answer loss and accuracy; several probes run side by side as
 processes. It asks whether a task can be learned at all at a shape, apart from the mixed suite of
-``benchmarks/quality_train.py`` (where the retrieval tasks stayed at chance for every arm).
+``benchmarks/quality/quality_train.py`` (where the retrieval tasks stayed at chance for every arm).
+Every ``--log-every`` steps a point (step, seconds, loss, token accuracy and the arguments) is
+printed as a JSON line and, with ``--json``, saved as a row of ``{"meta", "rows"}`` (``common``).
 
-    PYTHONPATH=. python benchmarks/quality_probe.py --task assoc_recall --T 256 --batch 64 \
-        --seconds 200 --out probe.jsonl
+    python benchmarks/quality/quality_probe.py --task assoc_recall --T 256 --batch 64 \
+        --seconds 200 --json probe.json
 """
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import Results, default_device
 
 from pisa.eval.gpt import GPT, GPTConfig
 from pisa.eval.tasks import TASKS
@@ -31,8 +37,8 @@ def main(argv=None):
     ap.add_argument("--key-len", type=int, help="assoc_recall / needle key letters")
     ap.add_argument("--seconds", type=float, default=200.0)
     ap.add_argument("--log-every", type=int, default=50)
-    ap.add_argument("--out", help="JSON lines (default: stdout)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", help="the result file (meta and every point)")
+    ap.add_argument("--device", default=default_device())
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     dev = args.device
@@ -41,7 +47,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator(dev).manual_seed(1)
     extra = {} if args.key_len is None else {"key_len": args.key_len}
-    sink = open(args.out, "w") if args.out else None
+    out = Results(args.json, dev)
     t0, step = time.time(), 0
     while time.time() - t0 < args.seconds:
         b = TASKS[args.task](args.batch, args.T, gen, **extra)
@@ -59,8 +65,9 @@ def main(argv=None):
             acc = (logits[mask].argmax(-1) == target).float().mean()
             point = {"step": step, "sec": round(time.time() - t0, 1), "loss": round(loss.item(), 4),
                      "token_acc": round(acc.item(), 4), **{k: v for k, v in vars(args).items()
-                                                           if k not in ("out", "device")}}
-            print(json.dumps(point), file=sink or None, flush=True)
+                                                           if k not in ("json", "device")}}
+            out.add(point)
+            out.save()
 
 
 if __name__ == "__main__":

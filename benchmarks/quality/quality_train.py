@@ -4,7 +4,7 @@ a mix of synthetic long-context tasks and byte-level code, tested at 4K, 8K and 
 One process trains and evaluates one run (arm, K, seed, schedule); ``--launch`` starts every run
 of the suite as parallel processes, round robin over the visible GPUs, and merges their results:
 
-    PYTHONPATH=. python benchmarks/quality_train.py --launch --out $OUT --time-budget 500
+    PYTHONPATH=. python benchmarks/quality/quality_train.py --launch --out $OUT --time-budget 500
 
 writes ``$OUT/quality_trained.json`` (``{"meta", "rows": [{"task", "arm", "K", "seed", "train_T",
 "test_T", "metric", "value", "steps", "schedule", "query_tile", "beam_leaf"}], "beam_rows": [...
@@ -50,7 +50,7 @@ Protocol
   ``meta.stems`` and each run's ``stem`` record it.
 - Learning rate: tuned on dense only: the ``--sweep`` multipliers of ``--lr`` run as extra dense
   seed-0 runs; ``meta.lr_sweep`` compares them with the main dense seed-0 run. The default 1e-3
-  won the sweep 2.5e-4 / 5e-4 / 1e-3 on task accuracy (``docs/quality_trained_lr5e-4.md``).
+  won the sweep 2.5e-4 / 5e-4 / 1e-3 on task accuracy (``docs/history/quality_trained_lr5e-4.md``).
 - Evaluation at every ``--test-T``: per task ``--eval-examples`` rows (exact match per question,
   teacher-forced argmax over the answer tokens -> metric "accuracy"), and language-modelling loss
   on ``--lm-windows`` held-out windows (``pisa.eval.tasks.ByteCorpus``: train on torch's sources,
@@ -75,7 +75,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pisa.results import meta, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import meta, write_result
+
 from pisa.eval.gpt import ARMS, GPT, GPTConfig
 from pisa.eval.tasks import TASKS, ByteCorpus, lm_eval_windows, lm_windows, make_task
 
@@ -627,7 +629,7 @@ def launch(args) -> dict:
         del corpus
     _say(f"[launch] {len(runs)} runs on {args.gpus} GPU(s) in {work}; corpus {corpus_info}", log)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                         os.environ.get("PYTHONPATH")])))
     procs = {}
 
@@ -747,7 +749,7 @@ def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: floa
             sweep.append({"lr": run["lr"], "steps": records[run["name"]].get("steps"),
                           "lm_loss": got.get(("lm", "loss")),
                           "mean_task_accuracy": sum(accs) / len(accs) if accs else None})
-    command = "python benchmarks/quality_train.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/quality/quality_train.py " + " ".join(sys.argv[1:])
     m = meta(args.device, command)
     m.update({
         "config": {name: getattr(args, name) for name in SHARED}

@@ -5,13 +5,18 @@ Rows: ``check`` (``check_block_idx`` alone: one elementwise pass, one reduction,
 ``attn_checked`` (``pisa_attn`` with the selection given), ``attn_unchecked`` (the attention op
 ``pisa.ops.attn.sparse_attn`` on the same selection, as ``pisa_attn`` calls it after the check).
 
-    python benchmarks/block_idx_check_h200.py --json benchmarks/results/block_idx_check_h200.json
+    python benchmarks/checks/block_idx_check_h200.py \
+        --json benchmarks/results/block_idx_check_h200.json
 """
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import C, HKV, HQ, K, D, Results, fwd_bwd, randn_qkv, result_row, shape, time_ms
 
 from pisa import pisa_attn, pisa_select
