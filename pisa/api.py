@@ -264,11 +264,11 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
     backend = _varlen_backend(q, k, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, backend)
     # selector="auto" and beam_ref_len: one choice for every sequence, by the longest
-    cfg = resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k, block_size=block_size, topk=topk,
-                         branching=branching, beam=beam, beam_leaf=beam_leaf,
-                         beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
-                         forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
-                         tile_reduce=tile_reduce)
+    cfg = resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k,
+                         block_size=block_size, topk=topk, branching=branching, beam=beam,
+                         beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
+                         selector=selector, forced_in_budget=forced_in_budget, scale=scale,
+                         query_tile=query_tile, tile_reduce=tile_reduce)
     if q.shape[0] == 0:
         return (q.new_full((0, k.shape[1], cfg.slots), -1, dtype=torch.int32),
                 q.new_zeros((0, k.shape[1]), dtype=torch.int32))
@@ -309,11 +309,11 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     backend = _varlen_backend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, backend)
-    cfg = resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k, block_size=block_size, topk=topk,
-                         branching=branching, beam=beam, beam_leaf=beam_leaf,
-                         beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
-                         forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
-                         tile_reduce=tile_reduce)
+    cfg = resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k,
+                         block_size=block_size, topk=topk, branching=branching, beam=beam,
+                         beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
+                         selector=selector, forced_in_budget=forced_in_budget, scale=scale,
+                         query_tile=query_tile, tile_reduce=tile_reduce)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):

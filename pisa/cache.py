@@ -87,6 +87,10 @@ class PisaCache:
 
     Memory on top of K/V: the sums have ``g/(g-1)/C`` of ``k_cache``'s elements, in fp32: 6% of
     a bf16 ``k_cache``'s bytes at C = 64, g = 2; the bounds, when kept, twice that again.
+
+    The cache keeps its own decode bookkeeping: a call against it (``pisa_attn_with_kvcache``)
+    is ``prepare`` (its sequences' slots, lengths and page table, resolved and checked once),
+    then ``attend`` (append, advance the lengths, attend); ``append`` is the first half alone.
     """
 
     block_table = None  # the contiguous form; PagedPisaCache's page table
@@ -212,7 +216,8 @@ class PisaCache:
         """Append ``k_new, v_new [B, L, HKV, D]`` to every sequence (or to the slots
         ``cache_batch_idx [B]`` int32, distinct) and advance their ``cache_seqlens`` by ``L``,
         in place (O(L log N), the key bounds too when kept; no host sync on CUDA). A paged cache
-        must hold the pages (``PagedPisaCache.reserve``). Checked as ``prepare`` checks."""
+        must hold the pages (``PagedPisaCache.reserve``). Checked by ``prepare``; the cache's
+        own tensors are trusted here (``check`` validates them after a swap by hand)."""
         self._write(self.prepare(None, k_new, v_new, cache_batch_idx=cache_batch_idx),
                     k_new, v_new)
 

@@ -1,7 +1,8 @@
 """The one home of every selection default and bound, and of the input checks.
 
-``pisa.api`` resolves a ``SelectConfig`` once per call (``resolve_config``) and hands it down; the
-ops below take it resolved and never check or default a knob again.
+``pisa.api`` resolves a ``SelectConfig`` once per call (``resolve_config``) and hands it to every
+op by keyword (``cfg=``); the ops below take it resolved and never check or default a knob again.
+The custom ops take its fields by name (``SelectConfig.op_kwargs``, ``op_schema``).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ DECODE_DEFAULTS = MappingProxyType({"scorer": "lse", "query_tile": 1, "tile_redu
 
 # The selection knobs every entry point takes and hands to ``resolve_config`` by name: the fields
 # of ``SelectConfig`` and ``beam_ref_len`` (resolved into ``beam`` / ``beam_leaf``). A new knob is
-# added here, to ``check_knobs`` and to the signatures.
+# added here, to ``SelectConfig`` and ``check_knobs``, and to the signatures.
 KNOBS = ("block_size", "topk", "branching", "beam", "beam_leaf", "beam_ref_len", "scorer",
          "selector", "forced_in_budget", "scale", "query_tile", "tile_reduce")
 
@@ -200,8 +201,8 @@ def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = Select
                 beam_ref_len: int | None = None) -> None:
     """Check the selection knobs without tensors, the one check of each (``resolve_config`` runs
     it first; objects made before their inputs exist, such as ``PisaAttention``, run it at
-    construction): a
-    ``TypeError`` naming a knob of the wrong type, a ``ValueError`` naming one out of range.
+    construction): a ``TypeError`` naming a knob of the wrong type, a ``ValueError`` naming one
+    out of range.
     ``backend`` is checked to be one of ``BACKENDS``; ``"auto"`` bounds ``block_size`` by the
     widest (torch) range, as the device that decides is not known yet."""
     if backend not in BACKENDS:

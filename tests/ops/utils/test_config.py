@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from pisa.ops.utils.config import (AUTO_CROSSOVER_T, BLOCK_SIZES, DECODE_DEFAULTS, KNOBS,
-                                   MAX_FORCED, SelectConfig, check_block_idx, check_block_idx_values, check_geometry,
-                                   grown_beams, pruned_levels, resolve_backend, resolve_config)
+                                   MAX_FORCED, SelectConfig, check_block_idx,
+                                   check_block_idx_values, check_geometry, grown_beams,
+                                   pruned_levels, resolve_backend, resolve_config)
 
 
 def _qk(T=64, D=16):
