@@ -212,16 +212,17 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     return (o, lse) if return_lse else o
 
 
-def _varlen_backend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    backend: str) -> str:
-    """Check packed inputs; the resolved backend."""
+def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  backend: str, **knobs) -> tuple[str, SelectConfig]:
+    """Check packed inputs; the resolved backend and config of the selection ``knobs``."""
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_qk(q[None], k[None], None if v is None else v[None])
     backend = resolve_backend(backend, q)
     if backend == "naive":
         raise ValueError("backend='naive' has no packed-sequence form: use 'torch' or 'triton' "
                          "(or the naive pisa_attn on each sequence)")
-    return backend
+    # selector="auto" and beam_ref_len: one choice for every sequence, by the longest
+    return backend, resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k, **knobs)
 
 
 def _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg) -> VarlenLayout:
@@ -261,14 +262,11 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
             ``pisa_attn_varlen``.
         counts: (total_q, nheads_k) int32, the number of valid entries per row.
     """
-    backend = _varlen_backend(q, k, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, backend)
-    # selector="auto" and beam_ref_len: one choice for every sequence, by the longest
-    cfg = resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k,
-                         block_size=block_size, topk=topk, branching=branching, beam=beam,
-                         beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
-                         selector=selector, forced_in_budget=forced_in_budget, scale=scale,
-                         query_tile=query_tile, tile_reduce=tile_reduce)
+    backend, cfg = _varlen_setup(
+        q, k, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+        block_size=block_size, topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
+        beam_ref_len=beam_ref_len, scorer=scorer, selector=selector, scale=scale,
+        forced_in_budget=forced_in_budget, query_tile=query_tile, tile_reduce=tile_reduce)
     if q.shape[0] == 0:
         return (q.new_full((0, k.shape[1], cfg.slots), -1, dtype=torch.int32),
                 q.new_zeros((0, k.shape[1]), dtype=torch.int32))
@@ -307,13 +305,11 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse (only if return_lse): (nheads, total_q) fp32, natural log (FlashAttention's varlen
             layout).
     """
-    backend = _varlen_backend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, backend)
-    cfg = resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k,
-                         block_size=block_size, topk=topk, branching=branching, beam=beam,
-                         beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
-                         selector=selector, forced_in_budget=forced_in_budget, scale=scale,
-                         query_tile=query_tile, tile_reduce=tile_reduce)
+    backend, cfg = _varlen_setup(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+        block_size=block_size, topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
+        beam_ref_len=beam_ref_len, scorer=scorer, selector=selector, scale=scale,
+        forced_in_budget=forced_in_budget, query_tile=query_tile, tile_reduce=tile_reduce)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
