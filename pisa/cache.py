@@ -244,24 +244,31 @@ class PisaCache:
             raise ValueError("k_new and v_new must be given together")
         rows = CacheRows(self._lengths(cache_seqlens, slots, B), slots,
                          self._table(block_table, slots), cache_seqlens is None)
-        if q is not None or slots is not None:  # an append to every slot reads only the
-            # cache's own tensors, trusted (``check`` validates them after a swap by hand)
+        # an append to every slot reads only the cache's own tensors, trusted (``check``)
+        if q is not None or slots is not None:
             check_cache(self.k_cache, self.v_cache, self.sums, rows.seqlens, self.block_size,
                         self.branching, self.mins, self.maxs, block_table=rows.block_table,
                         cache_batch_idx=slots)
         if k_new is not None or q is None:  # an append alone needs its keys and values
             check_new_kv(self.k_cache, k_new, v_new, B)
         n_new = 0 if k_new is None else k_new.shape[1]
-        prefill = q is not None and q.shape[1] > 1
+        self._check_values(rows, cache_seqlens, block_table, n_new,
+                           sync=q is not None and q.shape[1] > 1)  # chunked prefill syncs
+        return rows
+
+    def _check_values(self, rows: CacheRows, cache_seqlens, block_table, n_new: int,
+                      sync: bool) -> None:
+        """The values of a caller's lengths, slots and page table, before an append of ``n_new``
+        keys: on the host on CPU or with ``sync`` (chunked prefill); a CUDA decode step leaves
+        them to the kernels (an int length is checked anyway)."""
         if cache_seqlens is not None:  # the cache keeps its own lengths in range
-            check_seqlens(cache_seqlens, self.max_seqlen, n_new, sync=prefill)
-        if prefill or self.device.type == "cpu":
-            if slots is not None:
-                check_batch_idx(slots, self.batch_size)
+            check_seqlens(cache_seqlens, self.max_seqlen, n_new, sync=sync)
+        if sync or self.device.type == "cpu":
+            if rows.slots is not None:
+                check_batch_idx(rows.slots, self.batch_size)
             if block_table is not None:  # the cache's own pages are always in the pool
                 check_block_table(block_table, rows.seqlens, self.num_pages, self.block_size,
                                   n_new)
-        return rows
 
     def _slots(self, cache_batch_idx) -> torch.Tensor | None:
         """``cache_batch_idx`` as an int32 tensor on the cache's device (a list is copied
@@ -277,6 +284,8 @@ class PisaCache:
         return idx
 
     def _check_queries(self, q, batch_size: int) -> None:
+        """``q [batch_size, seqlen_q >= 1, HQ, D]`` in the cache's dtype and device, ``HQ`` a
+        multiple of its KV heads."""
         H, D = self.num_kv_heads, self.head_dim
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
