@@ -7,12 +7,9 @@ import torch
 
 from .cache import PisaCache
 from .ops.attn import sparse_attn
-from .ops.decode import decode_step, prefill_with_cache
-from .ops.decode.kvcache import (check_batch_idx, check_block_table, check_cache,
-                                 check_new_kv, check_seqlens, write_kv)
 from .ops.select import select
-from .ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig, check_block_idx,
-                               check_block_idx_values, check_qk, knobs_of, n_query_tiles,
+from .ops.utils.config import (BEAM_LEAF, DECODE_DEFAULTS, SCORER, TILE_REDUCE, SelectConfig,
+                               check_block_idx, check_block_idx_values, check_qk, n_query_tiles,
                                resolve_backend, resolve_config)
 from .ops.utils.varlen import VarlenLayout, check_varlen, varlen_layout
 
@@ -136,13 +133,16 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
     """
     check_qk(q, k)
     backend = resolve_backend(backend, q)
-    cfg = resolve_config(q, k, backend, **knobs_of(locals()))
+    cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
+                         beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
+                         selector=selector, forced_in_budget=forced_in_budget, scale=scale,
+                         query_tile=query_tile, tile_reduce=tile_reduce)
     if _empty_batch(q):
         B, HKV = q.shape[0], k.shape[2]
         rows = n_query_tiles(q.shape[1], k.shape[1], cfg.query_tile)
         return (q.new_full((B, rows, HKV, cfg.slots), -1, dtype=torch.int32),
                 q.new_zeros((B, rows, HKV), dtype=torch.int32))
-    return select(q, k, cfg, backend)
+    return select(q, k, cfg=cfg, backend=backend)
 
 
 def _given_tile(block_idx: torch.Tensor, q: torch.Tensor, query_tile: int) -> int:
@@ -190,7 +190,10 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     """
     check_qk(q, k, v)
     backend = resolve_backend(backend, q)
-    cfg = resolve_config(q, k, backend, **knobs_of(locals()))
+    cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
+                         beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
+                         selector=selector, forced_in_budget=forced_in_budget, scale=scale,
+                         query_tile=query_tile, tile_reduce=tile_reduce)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
@@ -203,25 +206,23 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         o, lse = _empty_attn(q, k, v)
     else:
         if block_idx is None:
-            block_idx, _ = select(q.detach(), k.detach(), cfg, backend)
-        o, lse = sparse_attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend,
-                             deterministic, tile)
+            block_idx, _ = select(q.detach(), k.detach(), cfg=cfg, backend=backend)
+        o, lse = sparse_attn(q, k, v, block_idx, cfg=cfg, backend=backend,
+                             deterministic=deterministic, query_tile=tile)
     return (o, lse) if return_lse else o
 
 
-def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
-                  knobs: dict):
-    """Check packed inputs, resolve the backend and the knobs (``knobs_of``): ``(backend,
-    cfg)``."""
+def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  backend: str, **knobs) -> tuple[str, SelectConfig]:
+    """Check packed inputs; the resolved backend and config of the selection ``knobs``."""
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_qk(q[None], k[None], None if v is None else v[None])
     backend = resolve_backend(backend, q)
     if backend == "naive":
         raise ValueError("backend='naive' has no packed-sequence form: use 'torch' or 'triton' "
                          "(or the naive pisa_attn on each sequence)")
-    # selector="auto": one choice for every sequence, by the longest
-    cfg = resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k, **knobs)
-    return backend, cfg
+    # selector="auto" and beam_ref_len: one choice for every sequence, by the longest
+    return backend, resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k, **knobs)
 
 
 def _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg) -> VarlenLayout:
@@ -237,7 +238,7 @@ def _varlen_select(q, k_row, lay: VarlenLayout, cfg: SelectConfig, backend: str,
         q_row = lay.mean_tile_rows(q, cfg.query_tile, backend)
     elif q_row is None:
         q_row = lay.rows(q, False, backend)
-    return select(q_row.detach(), k_row.detach(), cfg, backend, blk0=lay.blk0)
+    return select(q_row.detach(), k_row.detach(), cfg=cfg, backend=backend, blk0=lay.blk0)
 
 
 @_knob_docs
@@ -261,8 +262,11 @@ def pisa_select_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Ten
             ``pisa_attn_varlen``.
         counts: (total_q, nheads_k) int32, the number of valid entries per row.
     """
-    backend, cfg = _varlen_setup(q, k, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, backend, knobs_of(locals()))
+    backend, cfg = _varlen_setup(
+        q, k, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+        block_size=block_size, topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
+        beam_ref_len=beam_ref_len, scorer=scorer, selector=selector, scale=scale,
+        forced_in_budget=forced_in_budget, query_tile=query_tile, tile_reduce=tile_reduce)
     if q.shape[0] == 0:
         return (q.new_full((0, k.shape[1], cfg.slots), -1, dtype=torch.int32),
                 q.new_zeros((0, k.shape[1]), dtype=torch.int32))
@@ -301,8 +305,11 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse (only if return_lse): (nheads, total_q) fp32, natural log (FlashAttention's varlen
             layout).
     """
-    backend, cfg = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, backend, knobs_of(locals()))
+    backend, cfg = _varlen_setup(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+        block_size=block_size, topk=topk, branching=branching, beam=beam, beam_leaf=beam_leaf,
+        beam_ref_len=beam_ref_len, scorer=scorer, selector=selector, scale=scale,
+        forced_in_budget=forced_in_budget, query_tile=query_tile, tile_reduce=tile_reduce)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
@@ -319,8 +326,8 @@ def pisa_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         idx, _ = _varlen_select(q, k_row, lay, cfg, backend, q_row)
     else:
         idx, tile = _varlen_block_idx(block_idx, q, k, lay, max_seqlen_k), 1
-    o, lse = sparse_attn(q_row, k_row, v_row, idx, cfg.block_size, cfg.scale, backend,
-                         deterministic, tile)
+    o, lse = sparse_attn(q_row, k_row, v_row, idx, cfg=cfg, backend=backend,
+                         deterministic=deterministic, query_tile=tile)
     # squeeze, not o[0]: a select's backward zero-fills and copies the whole row (2 GiB at 128K)
     o, lse = lay.unrows(o.squeeze(0), backend), lse.squeeze(0).index_select(1, lay.pos_q)
     return (o, lse) if return_lse else o
@@ -352,12 +359,13 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
                            cache_seqlens: torch.Tensor | int | None = None,
                            block_table: torch.Tensor | None = None,
                            cache_batch_idx: torch.Tensor | list[int] | None = None,
-                           topk: int = _K, beam: int | None = None, beam_leaf: int | None = None,
+                           topk: int = _K, beam: int | None = None,
+                           beam_leaf: int | None = DECODE_DEFAULTS["beam_leaf"],
                            beam_ref_len: int | None = None,
-                           scorer: str = SelectConfig.scorer, selector: str = "pyramid",
+                           scorer: str = DECODE_DEFAULTS["scorer"], selector: str = "pyramid",
                            forced_in_budget: bool = True, scale: float | None = None,
-                           query_tile: int | None = SelectConfig.query_tile,
-                           tile_reduce: str = SelectConfig.tile_reduce,
+                           query_tile: int | None = DECODE_DEFAULTS["query_tile"],
+                           tile_reduce: str = DECODE_DEFAULTS["tile_reduce"],
                            return_lse: bool = False, backend: str = "auto"):
     """PISA attention of new queries against a ``PisaCache`` or ``PagedPisaCache`` (decode and
     chunked prefill), modeled on ``flash_attn_with_kvcache``: appends ``k_new, v_new`` (keys and
@@ -410,7 +418,8 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
             step gives NaN rows for a slot outside the cache).
         topk, beam, beam_leaf, beam_ref_len, scorer, selector, forced_in_budget, scale,
             query_tile, tile_reduce: as in ``pisa_attn``, but the defaults are the per-token walk
-            (``scorer="lse"``, ``query_tile=1``: decode's measured bar,
+            (``pisa.ops.utils.config.DECODE_DEFAULTS``: ``scorer="lse"``, ``query_tile=1``,
+            ``tile_reduce="sum"``, ``beam_leaf=None``; decode's measured bar,
             ``docs/results_decode.md``); ``selector="auto"`` and ``beam_ref_len`` go by the
             cache's ``max_seqlen``. A decode step is always per token (``query_tile`` applies to
             chunked prefill only). ``scorer="bound"`` reads the cache's per-node key bounds,
@@ -429,85 +438,14 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
     """
     if not isinstance(cache, PisaCache):
         raise TypeError(f"cache must be a pisa.PisaCache, got {type(cache).__name__}")
-    paged = cache.block_table is not None
-    if block_table is not None and not paged:
-        raise ValueError("block_table needs a pisa.PagedPisaCache (its page pool); a PisaCache "
-                         "is contiguous")
-    idx = cache_batch_idx
-    if isinstance(idx, (list, tuple)):
-        idx = torch.tensor(idx, dtype=torch.int32, device=cache.device)
-    if idx is not None and (not isinstance(idx, torch.Tensor) or idx.dtype != torch.int32
-                            or idx.dim() != 1 or idx.device != cache.device):
-        raise ValueError(f"cache_batch_idx must be an int32 [B] tensor on {cache.device} or a "
-                         f"list of ints, got {getattr(idx, 'dtype', type(idx).__name__)} "
-                         f"{tuple(getattr(idx, 'shape', ()))}")
-    B = cache.batch_size if idx is None else idx.shape[0]
-    H, D = cache.num_kv_heads, cache.head_dim
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B or q.shape[1] < 1 \
-            or q.shape[3] != D or q.shape[2] % H:
-        raise ValueError(f"q must have shape [B={B}, seqlen_q >= 1, nheads (a multiple of "
-                         f"{H}), D={D}], got {tuple(getattr(q, 'shape', ()))}")
-    if q.dtype != cache.dtype or q.device != cache.device:
-        raise TypeError(f"q must be {cache.dtype} on {cache.device} like the cache, got "
-                        f"{q.dtype} on {q.device}")
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new must be given together")
+    rows = cache.prepare(q, k_new, v_new, cache_seqlens=cache_seqlens, block_table=block_table,
+                         cache_batch_idx=cache_batch_idx)
     backend = resolve_backend(backend, q)
-    # selector="auto" by the cache's capacity
-    cfg = resolve_config(q, None, backend, seqlen_k=cache.max_seqlen,
-                         **knobs_of(locals(), block_size=cache.block_size,
-                                    branching=cache.branching))
-    own = cache_seqlens is None
-    if own:
-        lens = cache.cache_seqlens if idx is None else _rows(cache.cache_seqlens, idx)
-    elif isinstance(cache_seqlens, int):
-        lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    else:
-        lens = cache_seqlens
-    table = block_table
-    if table is None and paged:
-        table = cache.block_table if idx is None else _rows(cache.block_table, idx)
-    if cfg.uses_bounds and cache.mins is None:
-        if idx is not None or block_table is not None:
-            raise ValueError("scorer='bound' with cache_batch_idx or a caller's block_table "
-                             "needs a cache made with bounds=True")
-        cache.enable_bounds(lens)
-    # the one validation of the step: the ops below take the checked tensors as they are
-    check_cache(cache.k_cache, cache.v_cache, cache.sums, lens, cache.block_size, cache.branching,
-                cache.mins, cache.maxs, block_table=table, cache_batch_idx=idx)
-    n_new = 0 if k_new is None else k_new.shape[1]
-    if k_new is not None:
-        check_new_kv(cache.k_cache, k_new, v_new, B)
-    prefill = q.shape[1] > 1
-    if not own:  # the cache keeps its own lengths in range; a caller's are checked here
-        check_seqlens(cache_seqlens, cache.max_seqlen, n_new, sync=prefill)
-    if prefill or q.device.type == "cpu":  # host checks of a caller's table and slots
-        if idx is not None:
-            check_batch_idx(idx, cache.batch_size)
-        if block_table is not None:
-            check_block_table(block_table, lens, cache.num_pages, cache.block_size, n_new)
-    where = dict(block_table=table, cache_batch_idx=idx)
-    if k_new is not None:
-        write_kv(cache.k_cache, cache.v_cache, cache.sums, k_new, v_new, lens, cache.block_size,
-                 cache.branching, cache.mins, cache.maxs, **where)
-        if own and idx is None:
-            lens.add_(n_new)
-        else:
-            lens = lens + n_new
-            if own:
-                cache.cache_seqlens.scatter_(0, idx.long(), lens)
-    if q.shape[1] == 1 and backend in ("torch", "triton"):
-        o, lse = decode_step(q, cache.k_cache, cache.v_cache, cache.sums, lens, cfg, backend,
-                             cache.mins, cache.maxs, **where)
-    else:
-        o, lse = prefill_with_cache(q, cache.k_cache, cache.v_cache, cache.sums, lens.tolist(),
-                                    cfg, backend, cache.mins, cache.maxs, block_table=table,
-                                    slots=None if idx is None else idx.tolist())
+    # C and g are the cache's; selector="auto" and beam_ref_len go by its capacity
+    cfg = resolve_config(q, None, backend, seqlen_k=cache.max_seqlen, block_size=cache.block_size,
+                         branching=cache.branching, topk=topk, beam=beam, beam_leaf=beam_leaf,
+                         beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
+                         forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
+                         tile_reduce=tile_reduce)
+    o, lse = cache.attend(q, rows, k_new, v_new, cfg=cfg, backend=backend)
     return (o, lse) if return_lse else o
-
-
-def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` of a cache's per-slot tensor (a gather on the device). A slot outside the
-    cache reads slot 0: ``check_batch_idx`` reports it on the host, or, in a CUDA decode step,
-    the kernel gives that sequence NaN rows."""
-    return x[torch.where((idx >= 0) & (idx < x.shape[0]), idx, 0)]

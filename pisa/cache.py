@@ -11,10 +11,14 @@ and SGLang).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
-from .ops.decode.kvcache import (bounds_from_keys, check_block_table, check_cache, check_new_kv,
-                                 empty_bounds, gather_pages, pyramid_from_sums, write_kv)
+from .ops.decode import decode_step, prefill_with_cache
+from .ops.decode.kvcache import (bounds_from_keys, check_batch_idx, check_block_table,
+                                 check_cache, check_new_kv, check_seqlens, empty_bounds,
+                                 gather_pages, pyramid_from_sums, write_kv)
 from .ops.pyramid import Pyramid
 from .ops.utils.config import SelectConfig, check_geometry
 from .ops.utils.geometry import cdiv, compute_dtype, level_offsets
@@ -32,6 +36,25 @@ def _check_args(block_size: int, branching: int, bounds, dtype, **sizes) -> torc
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     return dtype
+
+
+@dataclass(frozen=True)
+class CacheRows:
+    """The sequences of one call against a cache (``PisaCache.prepare`` resolves and checks them;
+    the ops take them as they are).
+
+    seqlens: (B,) int32, each sequence's length before the call's append: the cache's own
+        ``cache_seqlens`` (every slot, in order), its rows of ``slots``, or the caller's lengths.
+    slots: (B,) int32, sequence ``b`` is slot ``slots[b]`` of the cache; None: slot ``b``.
+    block_table: (B, max_pages) int32, the pages of each sequence (a paged cache: its own table's
+        rows of ``slots``, or the caller's); None for a contiguous cache.
+    owned: whether the lengths are the cache's, which an append advances.
+    """
+
+    seqlens: torch.Tensor
+    slots: torch.Tensor | None
+    block_table: torch.Tensor | None
+    owned: bool
 
 
 class PisaCache:
@@ -64,6 +87,10 @@ class PisaCache:
 
     Memory on top of K/V: the sums have ``g/(g-1)/C`` of ``k_cache``'s elements, in fp32: 6% of
     a bf16 ``k_cache``'s bytes at C = 64, g = 2; the bounds, when kept, twice that again.
+
+    The cache keeps its own decode bookkeeping: a call against it (``pisa_attn_with_kvcache``)
+    is ``prepare`` (its sequences' slots, lengths and page table, resolved and checked once),
+    then ``attend`` (append, advance the lengths, attend); ``append`` is the first half alone.
     """
 
     block_table = None  # the contiguous form; PagedPisaCache's page table
@@ -185,30 +212,148 @@ class PisaCache:
                     self.branching, self.mins, self.maxs, block_table=self.block_table)
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor,
-               cache_batch_idx: torch.Tensor | None = None) -> None:
+               cache_batch_idx: torch.Tensor | list[int] | None = None) -> None:
         """Append ``k_new, v_new [B, L, HKV, D]`` to every sequence (or to the slots
         ``cache_batch_idx [B]`` int32, distinct) and advance their ``cache_seqlens`` by ``L``,
         in place (O(L log N), the key bounds too when kept; no host sync on CUDA). A paged cache
-        must hold the pages (``PagedPisaCache.reserve``). The cache's own tensors are trusted
-        (``check`` validates them after they were swapped by hand)."""
-        table, lens = self.block_table, self.cache_seqlens
-        if cache_batch_idx is not None:
-            if not isinstance(cache_batch_idx, torch.Tensor):
-                raise TypeError(f"cache_batch_idx must be a torch.Tensor, got "
-                                f"{type(cache_batch_idx).__name__}")
-            lens = lens[cache_batch_idx]
-            table = None if table is None else table[cache_batch_idx]
-            check_cache(self.k_cache, self.v_cache, self.sums, lens, self.block_size,
-                        self.branching, self.mins, self.maxs, block_table=table,
-                        cache_batch_idx=cache_batch_idx)
-        check_new_kv(self.k_cache, k_new, v_new, lens.shape[0])
-        write_kv(self.k_cache, self.v_cache, self.sums, k_new, v_new, lens, self.block_size,
-                 self.branching, self.mins, self.maxs, block_table=table,
-                 cache_batch_idx=cache_batch_idx)
-        if cache_batch_idx is None:
-            self.cache_seqlens.add_(k_new.shape[1])
-        else:
-            self.cache_seqlens.scatter_(0, cache_batch_idx.long(), lens + k_new.shape[1])
+        must hold the pages (``PagedPisaCache.reserve``). Checked by ``prepare``; the cache's
+        own tensors are trusted here (``check`` validates them after a swap by hand)."""
+        self._write(self.prepare(None, k_new, v_new, cache_batch_idx=cache_batch_idx),
+                    k_new, v_new)
+
+    def prepare(self, q: torch.Tensor | None, k_new: torch.Tensor | None = None,
+                v_new: torch.Tensor | None = None, *,
+                cache_seqlens: torch.Tensor | int | None = None,
+                block_table: torch.Tensor | None = None,
+                cache_batch_idx: torch.Tensor | list[int] | None = None) -> CacheRows:
+        """The sequences a call reads and writes (``pisa_attn_with_kvcache``'s arguments, which
+        document them; ``q`` None: an append alone), resolved and checked: the one validation of
+        a call. Metadata (shapes, dtypes, devices of ``q``, ``k_new, v_new`` and the cache) is
+        always checked, without a host sync; the values of a caller's lengths, page table and
+        slots only where they are read on the host anyway: on CPU and in chunked prefill
+        (``seqlen_q > 1``). A CUDA decode step thus syncs nowhere and stays capturable in a CUDA
+        graph (the kernels give NaN rows for a length, page or slot out of range)."""
+        if block_table is not None and self.block_table is None:
+            raise ValueError("block_table needs a pisa.PagedPisaCache (its page pool); a "
+                             "PisaCache is contiguous")
+        slots = self._slots(cache_batch_idx)
+        B = self.batch_size if slots is None else slots.shape[0]
+        if q is not None:
+            self._check_queries(q, B)
+        if (k_new is None) != (v_new is None):
+            raise ValueError("k_new and v_new must be given together")
+        rows = CacheRows(self._lengths(cache_seqlens, slots, B), slots,
+                         self._table(block_table, slots), cache_seqlens is None)
+        # an append to every slot reads only the cache's own tensors, trusted (``check``)
+        if q is not None or slots is not None:
+            check_cache(self.k_cache, self.v_cache, self.sums, rows.seqlens, self.block_size,
+                        self.branching, self.mins, self.maxs, block_table=rows.block_table,
+                        cache_batch_idx=slots)
+        if k_new is not None or q is None:  # an append alone needs its keys and values
+            check_new_kv(self.k_cache, k_new, v_new, B)
+        n_new = 0 if k_new is None else k_new.shape[1]
+        self._check_values(rows, cache_seqlens, block_table, n_new,
+                           sync=q is not None and q.shape[1] > 1)  # chunked prefill syncs
+        return rows
+
+    def _check_values(self, rows: CacheRows, cache_seqlens, block_table, n_new: int,
+                      sync: bool) -> None:
+        """The values of a caller's lengths, slots and page table, before an append of ``n_new``
+        keys: on the host on CPU or with ``sync`` (chunked prefill); a CUDA decode step leaves
+        them to the kernels (an int length is checked anyway)."""
+        if cache_seqlens is not None:  # the cache keeps its own lengths in range
+            check_seqlens(cache_seqlens, self.max_seqlen, n_new, sync=sync)
+        if sync or self.device.type == "cpu":
+            if rows.slots is not None:
+                check_batch_idx(rows.slots, self.batch_size)
+            if block_table is not None:  # the cache's own pages are always in the pool
+                check_block_table(block_table, rows.seqlens, self.num_pages, self.block_size,
+                                  n_new)
+
+    def _slots(self, cache_batch_idx) -> torch.Tensor | None:
+        """``cache_batch_idx`` as an int32 tensor on the cache's device (a list is copied
+        there)."""
+        idx = cache_batch_idx
+        if isinstance(idx, (list, tuple)):
+            idx = torch.tensor(idx, dtype=torch.int32, device=self.device)
+        if idx is not None and (not isinstance(idx, torch.Tensor) or idx.dtype != torch.int32
+                                or idx.dim() != 1 or idx.device != self.device):
+            raise ValueError(f"cache_batch_idx must be an int32 [B] tensor on {self.device} or a "
+                             f"list of ints, got {getattr(idx, 'dtype', type(idx).__name__)} "
+                             f"{tuple(getattr(idx, 'shape', ()))}")
+        return idx
+
+    def _check_queries(self, q, batch_size: int) -> None:
+        """``q [batch_size, seqlen_q >= 1, HQ, D]`` in the cache's dtype and device, ``HQ`` a
+        multiple of its KV heads."""
+        H, D = self.num_kv_heads, self.head_dim
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if q.dim() != 4 or q.shape[0] != batch_size or q.shape[1] < 1 or q.shape[3] != D \
+                or q.shape[2] % H:
+            raise ValueError(f"q must have shape [B={batch_size}, seqlen_q >= 1, nheads (a "
+                             f"multiple of HKV={H}), D={D}], got {tuple(q.shape)}")
+        if q.dtype != self.dtype or q.device != self.device:
+            raise TypeError(f"q must be {self.dtype} on {self.device} like the cache, got "
+                            f"{q.dtype} on {q.device}")
+
+    def _lengths(self, cache_seqlens, slots, batch_size: int) -> torch.Tensor:
+        """The lengths before the append: the cache's own (of ``slots``) when none are given."""
+        if cache_seqlens is None:
+            return self.cache_seqlens if slots is None else _rows(self.cache_seqlens, slots)
+        if isinstance(cache_seqlens, int):
+            return torch.full((batch_size,), cache_seqlens, dtype=torch.int32,
+                              device=self.device)
+        return cache_seqlens
+
+    def _table(self, block_table, slots) -> torch.Tensor | None:
+        """The page table of a call: the caller's, else the cache's own (its rows of
+        ``slots``); None for a contiguous cache."""
+        if block_table is not None or self.block_table is None:
+            return block_table
+        return self.block_table if slots is None else _rows(self.block_table, slots)
+
+    def _write(self, rows: CacheRows, k_new: torch.Tensor, v_new: torch.Tensor) -> CacheRows:
+        """Append ``k_new, v_new`` to the sequences ``rows`` (checked) and advance their lengths:
+        the cache's in place when it owns them (a caller's are the caller's to advance); returns
+        the rows with their lengths after the append."""
+        write_kv(self.k_cache, self.v_cache, self.sums, k_new, v_new, rows.seqlens,
+                 self.block_size, self.branching, self.mins, self.maxs,
+                 block_table=rows.block_table, cache_batch_idx=rows.slots)
+        n_new = k_new.shape[1]
+        if rows.owned and rows.slots is None:  # self.cache_seqlens itself
+            rows.seqlens.add_(n_new)
+            return rows
+        lens = rows.seqlens + n_new
+        if rows.owned:
+            self.cache_seqlens.scatter_(0, rows.slots.long(), lens)
+        return replace(rows, seqlens=lens)
+
+    def attend(self, q: torch.Tensor, rows: CacheRows, k_new: torch.Tensor | None = None,
+               v_new: torch.Tensor | None = None, *, cfg: SelectConfig,
+               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k_new, v_new`` (when given) to the sequences ``rows`` (``prepare``'s, of the
+        same arguments), then attend ``q`` over each one's keys with the resolved ``cfg`` (its
+        ``block_size`` and ``branching`` the cache's) on a resolved ``backend``: a decode step
+        (``seqlen_q == 1``, ``pisa.ops.decode.decode_step``) or chunked prefill
+        (``prefill_with_cache``; it reads the lengths on the host). ``scorer="bound"`` builds
+        the key bounds first if the cache keeps none (``enable_bounds``). Returns ``o`` (q's
+        dtype) and ``lse [B, HQ, seqlen_q]`` fp32."""
+        if cfg.uses_bounds and self.mins is None:
+            if rows.slots is not None or rows.block_table is not self.block_table:
+                raise ValueError("scorer='bound' with cache_batch_idx or a caller's block_table "
+                                 "needs a cache made with bounds=True")
+            self.enable_bounds(rows.seqlens)
+        if k_new is not None:
+            rows = self._write(rows, k_new, v_new)
+        tensors = (q, self.k_cache, self.v_cache, self.sums)
+        if q.shape[1] == 1 and backend in ("torch", "triton"):
+            return decode_step(*tensors, rows.seqlens, self.mins, self.maxs, cfg=cfg,
+                               backend=backend, block_table=rows.block_table,
+                               cache_batch_idx=rows.slots)
+        slots = None if rows.slots is None else rows.slots.tolist()
+        return prefill_with_cache(*tensors, rows.seqlens.tolist(), self.mins, self.maxs, cfg=cfg,
+                                  backend=backend, block_table=rows.block_table, slots=slots)
 
     def reset(self, index: torch.Tensor | list[int] | int | None = None) -> None:
         """Empty all sequences, or those at ``index`` (to reuse their slots), in place."""
@@ -407,3 +552,10 @@ class PagedPisaCache(PisaCache):
                 f"branching={self.branching}, dtype={self.dtype}, device={self.device}, "
                 f"bounds={self.has_bounds}, live={len(self._pages)}, "
                 f"free_pages={self.free_pages})")
+
+
+def _rows(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` of a cache's per-slot tensor (a gather on the device). A slot outside the
+    cache reads slot 0: ``check_batch_idx`` reports it on the host, or, in a CUDA decode step,
+    the kernel gives that sequence NaN rows."""
+    return x[torch.where((slots >= 0) & (slots < x.shape[0]), slots, 0)]

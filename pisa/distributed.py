@@ -52,8 +52,8 @@ import torch.distributed as dist
 from .ops.attn import sparse_attn
 from .ops.pyramid.torch_backend import leaf_summaries, pyramid_from_leaves
 from .ops.select import select
-from .ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig,
-                               check_knobs, check_qk, knobs_of, resolve_backend, resolve_config)
+from .ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig, check_knobs,
+                               check_qk, config_of, resolve_backend)
 from .ops.utils.geometry import cdiv
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -320,7 +320,8 @@ def _select_cp(q, k, lay: ShardLayout, cfg: SelectConfig, backend: str, group):
         n = cdiv(e, C)
         sums, mins, maxs = (None if x is None else x[:, :n] for x in leaves)
         pyr = pyramid_from_leaves(sums, e, C, g, mins, maxs)
-        out.append(select(q[:, o:o + e - s], keys[:, :e], cfg, backend, pyr)[0])
+        out.append(select(q[:, o:o + e - s], keys[:, :e], cfg=cfg, backend=backend,
+                          pyramid=pyr)[0])
     return out
 
 
@@ -500,9 +501,9 @@ class _FetchKV(torch.autograd.Function):
 # The public function
 # ------------------------------------------------------------------------------------------------
 
-def _setup(q, k, group, layout, backend, knobs):
+def _setup(q, k, group, layout, backend, knobs: dict):
     """The resolved backend, ``ShardLayout`` and ``SelectConfig`` of a call (``pisa_select_cp`` /
-    ``pisa_attn_cp``)."""
+    ``pisa_attn_cp``) and its selection ``knobs`` (by name)."""
     check_qk(q, k)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q has {q.shape[1]} tokens but k {k.shape[1]}: context parallelism is "
@@ -517,7 +518,8 @@ def _setup(q, k, group, layout, backend, knobs):
     if lay.block_size != C or lay.local_len() != q.shape[1]:
         raise ValueError(f"layout holds {lay.local_len()} tokens in blocks of {lay.block_size} "
                          f"on this rank, but q has {q.shape[1]} and block_size={C}")
-    return backend, lay, resolve_config(q, k, backend, seqlen_k=lay.seqlen, **knobs)
+    # selector="auto" and beam_ref_len go by the global length
+    return backend, lay, config_of(q.shape[-1], lay.seqlen, **knobs)
 
 
 def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,
@@ -534,7 +536,11 @@ def pisa_select_cp(q: torch.Tensor, k: torch.Tensor, *, group=None,
     token, or per query tile of each range with ``query_tile > 1``): ``shard`` of the
     single-process ``block_idx`` (along its rows, with ``block_size // query_tile`` rows a
     block). No gradient."""
-    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs_of(locals()))
+    knobs = dict(block_size=block_size, topk=topk, branching=branching, beam=beam,
+                 beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
+                 forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
+                 tile_reduce=tile_reduce)
+    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs)
     return torch.cat(_select_cp(q.detach(), k.detach(), lay, cfg, backend, group), dim=1)
 
 
@@ -582,7 +588,11 @@ def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=Non
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs_of(locals()))
+    knobs = dict(block_size=block_size, topk=topk, branching=branching, beam=beam,
+                 beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
+                 forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
+                 tile_reduce=tile_reduce)
+    backend, lay, cfg = _setup(q, k, group, layout, backend, knobs)
     B, H = k.shape[0], k.shape[2]
     block_idx = _select_cp(q.detach(), k.detach(), lay, cfg, backend, group)
     with torch.no_grad():
@@ -590,8 +600,8 @@ def pisa_attn_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=Non
     kv = iter(_FetchKV.apply(k, v, plan, block_size))
     outs, lses = [], []
     for idx, (s, e), o in zip(remapped, lay.local_ranges, _offsets(lay.local_ranges)):
-        out, lse = sparse_attn(q[:, o:o + e - s], next(kv), next(kv), idx, block_size,
-                               cfg.scale, backend, deterministic, cfg.query_tile)
+        out, lse = sparse_attn(q[:, o:o + e - s], next(kv), next(kv), idx, cfg=cfg,
+                               backend=backend, deterministic=deterministic)
         outs.append(out)
         lses.append(lse)
     out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=2)

@@ -21,7 +21,7 @@ from common import C, HKV, HQ, K, D, Results, fwd_bwd, randn_qkv, result_row, sh
 
 from pisa import pisa_attn, pisa_select
 from pisa.ops.attn import sparse_attn
-from pisa.ops.utils.config import check_block_idx
+from pisa.ops.utils.config import SelectConfig, check_block_idx
 
 
 def main():
@@ -34,16 +34,16 @@ def main():
     q, k, v = randn_qkv(T, requires_grad=True)
     do = torch.randn_like(q)
     idx, _ = pisa_select(q.detach(), k.detach(), block_size=C, topk=K)
-    scale = D ** -0.5
+    cfg = SelectConfig(block_size=C, scale=D ** -0.5)
     runs = {
         "check": ("check", lambda: check_block_idx(idx, q, k, C)),
         "attn_checked_fwd": ("fwd", lambda: pisa_attn(q, k, v, block_size=C, block_idx=idx)),
-        "attn_unchecked_fwd": ("fwd", lambda: sparse_attn(q, k, v, idx, C, scale, "triton",
-                                                          False)),
+        "attn_unchecked_fwd": ("fwd", lambda: sparse_attn(q, k, v, idx, cfg=cfg,
+                                                          backend="triton")),
         "attn_checked_fwdbwd": ("fwdbwd", fwd_bwd(
             lambda: pisa_attn(q, k, v, block_size=C, block_idx=idx), do, (q, k, v))),
         "attn_unchecked_fwdbwd": ("fwdbwd", fwd_bwd(
-            lambda: sparse_attn(q, k, v, idx, C, scale, "triton", False)[0], do, (q, k, v))),
+            lambda: sparse_attn(q, k, v, idx, cfg=cfg, backend="triton")[0], do, (q, k, v))),
     }
     for impl, (op, fn) in runs.items():
         res.add(result_row(op, impl, "triton", T=T, ms=time_ms(fn, "cuda"),

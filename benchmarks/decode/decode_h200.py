@@ -49,7 +49,7 @@ from pisa import PisaCache, pisa_attn, pisa_attn_with_kvcache
 from pisa.ops.decode.kvcache import write_kv
 from pisa.ops.decode.triton import decode_triton, default_num_splits
 from pisa.ops.pyramid import build_pyramid
-from pisa.ops.utils.config import SelectConfig
+from pisa.ops.utils.config import DECODE_DEFAULTS, SelectConfig
 
 # Targets of issue 4 (H200): batch 1 at 1M <= 0.12 ms and <= 1.5x its 32K time; batch 16 at 1M
 # >= 20x faster than the fastest dense decode.
@@ -157,7 +157,8 @@ def main() -> None:
         args.out = Path(f"decode_h200{'_quick' if args.quick else ''}.json")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    cfg = SelectConfig(block_size=C, topk=K, branching=G_BR, beam=W, scale=D ** -0.5)
+    cfg = SelectConfig(block_size=C, topk=K, branching=G_BR, beam=W, scale=D ** -0.5,
+                       **DECODE_DEFAULTS)
     out = Results(args.out, "cuda")
     t_start = time.time()
 

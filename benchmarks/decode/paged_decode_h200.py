@@ -45,7 +45,7 @@ from pisa import PagedPisaCache, PisaCache, pisa_attn_with_kvcache  # noqa: E402
 from pisa.ops.decode.kvcache import write_kv  # noqa: E402
 from pisa.ops.decode.triton import decode_triton  # noqa: E402
 from pisa.ops.pyramid import build_pyramid  # noqa: E402
-from pisa.ops.utils.config import SelectConfig  # noqa: E402
+from pisa.ops.utils.config import DECODE_DEFAULTS, SelectConfig  # noqa: E402
 
 BAR = 1.1  # paged ms <= 1.1x contiguous ms
 A = dict(HQ=64, HKV=4, D=128, C=64, K=16, W=16, dtype=DTYPE)
@@ -83,7 +83,7 @@ def bench_shape(B: int, T: int, p: dict, device: str, row) -> None:
     reset_peak(device)
     q, flat, paged = caches(B, T, p, device, seed=B + T)
     cfg = SelectConfig(block_size=p["C"], topk=p["K"], branching=G_BR, beam=p["W"],
-                       scale=p["D"] ** -0.5)
+                       scale=p["D"] ** -0.5, **DECODE_DEFAULTS)
     rev = torch.arange(B - 1, -1, -1, device=device, dtype=torch.int32)  # slots, reversed
     q_rev, rev_table = q[rev.long()], paged.block_table[rev.long()]
     k1, v1 = (torch.randn(B, 1, p["HKV"], p["D"], device=device, dtype=p["dtype"])

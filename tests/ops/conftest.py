@@ -113,3 +113,14 @@ def poison_empty(monkeypatch):
         return x
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+def per_token_config(*args, **kwargs):
+    """A ``SelectConfig`` of the per-token walk (``DECODE_DEFAULTS`` over the public defaults)
+    but for what ``args`` (fields in order) and ``kwargs`` say: the configs the op tests were
+    written against."""
+    from dataclasses import fields
+
+    from pisa.ops.utils.config import DECODE_DEFAULTS, SelectConfig
+    names = [f.name for f in fields(SelectConfig)]
+    return SelectConfig(**{**DECODE_DEFAULTS, **dict(zip(names, args)), **kwargs})

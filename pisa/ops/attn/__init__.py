@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..utils.config import n_query_tiles
+from ..utils.config import SelectConfig, n_query_tiles
 
 
 @torch.library.custom_op("pisa::sparse_attn", mutates_args=())
@@ -72,30 +72,30 @@ def _attn_backward(ctx, do, dlse):
 _attn_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
-def sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: int,
-                scale: float, backend: str, deterministic: bool = False, query_tile: int = 1):
+def sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, *, cfg: SelectConfig,
+                backend: str, deterministic: bool = False, query_tile: int | None = None):
     """Exact attention of each query over the keys of its selected blocks (causal).
 
     ``q [B, Tq, HQ, D]``, ``k, v [B, Tk, HKV, D]``, ``block_idx`` int32 (ascending, -1 padded) a
-    row per query token ``[B, Tq, HKV, S]`` (``query_tile=1``) or per query tile
-    ``[B, n_query_tiles(Tq, Tk, query_tile), HKV, S]`` (``query_tile`` a power of two in
-    ``[1, block_size]``), all checked by the caller (``utils.config.check_block_idx``; only the
-    row count is checked here); ``scale`` resolved; ``backend`` ``"torch"``, ``"triton"`` or
-    ``"naive"``. Returns ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32, both
-    differentiable in q, k, v. ``deterministic=True`` makes the Triton backward bitwise
-    reproducible (no atomics; the torch backward always is).
+    row per query tile ``[B, n_query_tiles(Tq, Tk, query_tile), HKV, S]``, all checked by the
+    caller (``utils.config.check_block_idx``; only the row count is checked here); ``cfg``
+    resolved: its ``block_size`` and ``scale`` are read; ``query_tile``: the selection's rows,
+    default ``cfg.query_tile`` (``1``: a row per token, as a caller's ``block_idx`` may have);
+    ``backend`` ``"torch"``, ``"triton"`` or ``"naive"``. Returns ``o [B, Tq, HQ, D]`` (q's
+    dtype) and ``lse [B, HQ, Tq]`` fp32, both differentiable in q, k, v.
+    ``deterministic=True`` makes the Triton backward bitwise reproducible (no atomics; the torch
+    backward always is).
     """
-    if query_tile < 1 or query_tile & (query_tile - 1):
-        raise ValueError(f"query_tile must be a power of two, got {query_tile!r}")
-    rows = n_query_tiles(q.shape[1], k.shape[1], query_tile)
+    tile = cfg.query_tile if query_tile is None else query_tile
+    rows = n_query_tiles(q.shape[1], k.shape[1], tile)
     if block_idx.dim() != 4 or block_idx.shape[1] != rows:
         raise ValueError(f"block_idx must have {rows} rows (n_query_tiles(Tq={q.shape[1]}, "
-                         f"Tk={k.shape[1]}, query_tile={query_tile})) in dim 1, got shape "
+                         f"Tk={k.shape[1]}, query_tile={tile})) in dim 1, got shape "
                          f"{tuple(block_idx.shape)}")
     if backend == "naive":
         from .naive import naive_attn
-        o, lse = naive_attn(q, k, v, block_idx.cpu(), block_size, scale, query_tile)
+        o, lse = naive_attn(q, k, v, block_idx.cpu(), cfg.block_size, cfg.scale, tile)
         return o.to(q.dtype), lse.float()
-    o, lse = _attn_op(q, k, v, block_idx, block_size, scale, backend, bool(deterministic),
-                      int(query_tile))
+    o, lse = _attn_op(q, k, v, block_idx, cfg.block_size, cfg.scale, backend,
+                      bool(deterministic), tile)
     return o, lse.float()

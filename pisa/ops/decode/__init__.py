@@ -15,46 +15,20 @@ import torch
 from ..attn import sparse_attn
 from ..select import select
 from ..utils.config import SelectConfig, check_qk
-from .kvcache import check_cache, gather_pages, pyramid_from_sums
-
-
-def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig,
-                 mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None, *,
-                 block_table: torch.Tensor | None = None,
-                 cache_batch_idx: torch.Tensor | None = None) -> None:
-    """Validate decode inputs (metadata only: no host sync; ``kvcache.check_cache`` for the cache
-    forms). ``scorer="bound"`` needs the cache's key bounds ``mins, maxs`` (a cache made with
-    ``bounds=True``)."""
-    check_cache(k_cache, v_cache, sums, cache_seqlens, cfg.block_size, cfg.branching, mins, maxs,
-                block_table=block_table, cache_batch_idx=cache_batch_idx)
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    B, (H, D) = cache_seqlens.shape[0], k_cache.shape[2:]
-    if q.dim() != 4 or q.shape[0] != B or q.shape[1] != 1 or q.shape[3] != D \
-            or q.shape[2] % H:
-        raise ValueError(f"q must have shape [B={B}, 1, HQ, D={D}] with HQ a multiple of "
-                         f"HKV={H}, got {tuple(q.shape)}")
-    if q.dtype != k_cache.dtype or q.device != k_cache.device:
-        raise TypeError(f"q must be {k_cache.dtype} on {k_cache.device} like the cache, got "
-                        f"{q.dtype} on {q.device}")
-    if cfg.selector not in ("pyramid", "flat_lse", "flat_mean"):
-        raise ValueError(f"cfg.selector must be resolved (pyramid, flat_lse or flat_mean), got "
-                         f"{cfg.selector!r}")
-    if cfg.uses_bounds and mins is None:
-        raise ValueError("scorer='bound' needs the cache's key bounds (mins, maxs): make the "
-                         "cache with PisaCache(..., bounds=True) or call cache.enable_bounds()")
+from .kvcache import gather_pages, pyramid_from_sums
 
 
 def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, backend: str,
+                sums: torch.Tensor, cache_seqlens: torch.Tensor,
                 mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None, *,
-                block_table: torch.Tensor | None = None,
+                cfg: SelectConfig, backend: str, block_table: torch.Tensor | None = None,
                 cache_batch_idx: torch.Tensor | None = None):
-    """One decode step for inputs the caller checked (``check_decode``): the fused kernel walks
-    the pyramid (LSE scores, or with the key bounds ``mins, maxs`` for ``scorer="bound"``; any
-    ``beam_leaf``) on ``backend="triton"``; flat scans and the mean / meanvar ablations decode
-    through the torch path. Either reads a paged cache through ``block_table`` and the slots of
+    """One decode step for inputs the caller checked (``pisa.PisaCache.prepare``: the cache's
+    tensors by ``kvcache.check_cache``, ``q [B, 1, HQ, D]`` against them; ``cfg`` resolved; the
+    key bounds ``mins, maxs`` present for ``cfg.uses_bounds``): the fused kernel walks the
+    pyramid (LSE scores, or with the key bounds for ``scorer="bound"``; any ``beam_leaf``) on
+    ``backend="triton"``; flat scans and the mean / meanvar ablations decode through the torch
+    path. Either reads a paged cache through ``block_table`` and the slots of
     ``cache_batch_idx`` (``kvcache`` layout). Returns ``o [B, 1, HQ, D]``, ``lse [B, HQ, 1]``
     fp32.
 
@@ -71,9 +45,9 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       sums: torch.Tensor, seqlens: list[int], cfg: SelectConfig, backend: str,
+                       sums: torch.Tensor, seqlens: list[int],
                        mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None, *,
-                       block_table: torch.Tensor | None = None,
+                       cfg: SelectConfig, backend: str, block_table: torch.Tensor | None = None,
                        slots: list[int] | None = None):
     """Chunked prefill: queries ``q [B, L, HQ, D]`` at the last ``L`` positions of each
     sequence's first ``seqlens[b]`` keys (bottom-right causal), whose keys are already appended.
@@ -108,9 +82,8 @@ def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         if backend != "naive":
             bounds = (mins[at], maxs[at]) if bound else (None, None)
             pyramid = pyramid_from_sums(sums[at], s, cfg.block_size, cfg.branching, *bounds)
-        block_idx, _ = select(qb.detach(), k, cfg, backend, pyramid)
-        o, lse = sparse_attn(qb, k, v, block_idx, cfg.block_size, cfg.scale, backend,
-                             query_tile=cfg.query_tile)
+        block_idx, _ = select(qb.detach(), k, cfg=cfg, backend=backend, pyramid=pyramid)
+        o, lse = sparse_attn(qb, k, v, block_idx, cfg=cfg, backend=backend)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -30,7 +30,7 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor | None = None,
                  cache_batch_idx: torch.Tensor | None = None):
     """One decode step: selection and attention for one query per sequence (inputs checked by
-    the caller: ``check_decode``).
+    the caller: ``pisa.PisaCache.prepare``).
 
     Arguments:
         q: (batch, 1, nheads, headdim), the cache's dtype. The query of sequence ``b`` sits at

@@ -536,7 +536,7 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   num_splits: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, return_block_idx: bool = False):
     """One decode step (selection and attention) with one fused Triton kernel (inputs checked by
-    the caller: ``pisa.ops.decode.check_decode``; the kernel's own limits are checked here).
+    the caller: ``pisa.PisaCache.prepare``; the kernel's own limits are checked here).
 
     Arguments:
         q: (batch, 1, nheads, headdim), fp16/bf16/fp32, the cache's dtype and device. The query

@@ -47,17 +47,17 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
     return select_flat_triton(q, k, cfg, pyramid, cfg.leaf_scorer, blk0)
 
 
-@torch.library.custom_op("pisa::select", mutates_args=())
+# The config crosses the custom op's boundary by field name: its fields are the op's keyword-only
+# arguments (``SelectConfig.op_schema``), passed as ``**cfg.op_kwargs()``.
+@torch.library.custom_op("pisa::select", mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor? means, Tensor? counts, Tensor? mins, Tensor? maxs, "
+    f"str backend, Tensor? blk0, *, {SelectConfig.op_schema()}) -> (Tensor, Tensor)"))
 def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[Tensor],
-               mins: Optional[Tensor], maxs: Optional[Tensor],
-               block_size: int, topk: int, branching: int, beam: int, scorer: str,
-               selector: str, forced_in_budget: bool, scale: float, query_tile: int,
-               beam_leaf: Optional[int], tile_reduce: str, backend: str,
-               blk0: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    cfg = SelectConfig(block_size, topk, branching, beam, scorer, selector, forced_in_budget,
-                       scale, query_tile, beam_leaf, tile_reduce)
+               mins: Optional[Tensor], maxs: Optional[Tensor], backend: str,
+               blk0: Optional[Tensor], **fields) -> tuple[Tensor, Tensor]:
+    cfg = SelectConfig(**fields)
     pyramid = None if means is None else Pyramid(
-        means, counts, level_offsets(k.shape[1], block_size, branching), mins, maxs)
+        means, counts, level_offsets(k.shape[1], cfg.block_size, cfg.branching), mins, maxs)
     if pyramid is not None and cfg.uses_bounds and pyramid.mins is None:
         pyramid = None  # a caller's pyramid without bounds (a decode cache's): the backend
         # builds one with them from the keys
@@ -74,17 +74,15 @@ def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[T
 
 
 @_select_op.register_fake
-def _(q, k, means, counts, mins, maxs, block_size, topk, branching, beam, scorer, selector,
-      forced_in_budget, scale, query_tile, beam_leaf, tile_reduce, backend, blk0=None):
-    cfg = SelectConfig(block_size, topk, branching, beam, scorer, selector, forced_in_budget,
-                       scale, query_tile, beam_leaf, tile_reduce)
+def _(q, k, means, counts, mins, maxs, backend, blk0, **fields):
+    cfg = SelectConfig(**fields)
     B, HKV = q.shape[0], k.shape[2]
-    rows = n_query_tiles(q.shape[1], k.shape[1], query_tile)
+    rows = n_query_tiles(q.shape[1], k.shape[1], cfg.query_tile)
     return (q.new_empty((B, rows, HKV, cfg.slots), dtype=torch.int32),
             q.new_empty((B, rows, HKV), dtype=torch.int32))
 
 
-def select(q: Tensor, k: Tensor, cfg: SelectConfig, backend: str,
+def select(q: Tensor, k: Tensor, *, cfg: SelectConfig, backend: str,
            pyramid: Pyramid | None = None, blk0: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Selection through the custom op ``torch.ops.pisa.select`` (opaque to torch.compile).
 
@@ -98,7 +96,7 @@ def select(q: Tensor, k: Tensor, cfg: SelectConfig, backend: str,
     No gradient."""
     tensors = (None,) * 4 if pyramid is None else (pyramid.means, pyramid.counts, pyramid.mins,
                                                    pyramid.maxs)
-    return _select_op(q, k, *tensors, *cfg.astuple(), backend, blk0)
+    return _select_op(q, k, *tensors, backend, blk0, **cfg.op_kwargs())
 
 
 def tiles_to_tokens(block_idx: Tensor, counts: Tensor, n_queries: int, n_keys: int,

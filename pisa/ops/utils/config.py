@@ -1,7 +1,8 @@
 """The one home of every selection default and bound, and of the input checks.
 
-``pisa.api`` resolves a ``SelectConfig`` once per call (``resolve_config``) and hands it down; the
-ops below take it resolved and never check or default a knob again.
+``pisa.api`` resolves a ``SelectConfig`` once per call (``resolve_config``) and hands it to every
+op by keyword (``cfg=``); the ops below take it resolved and never check or default a knob again.
+The custom ops take its fields by name (``SelectConfig.op_kwargs``, ``op_schema``).
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import importlib.util
 import math
 import numbers
 import os
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 
 import torch
 
@@ -38,18 +40,23 @@ CHUNK_ELEMS = 1 << 24
 # Queries per group sharing one read of a block in the torch backends (``utils.csr.group_pairs``).
 PAIRS_PER_GROUP = 32
 
-# The selection defaults of the training / prefill entry points (``pisa_select``, ``pisa_attn``,
-# their varlen and context-parallel forms, ``PisaAttention``, the HF integration): selection v2,
-# chosen from the H200 timings and SmolLM2 quality in ``docs/selection_v2.md``. ``query_tile=None``
-# resolves to ``min(QUERY_TILE, block_size)``. Decode (``pisa_attn_with_kvcache``) and a
-# hand-made ``SelectConfig`` keep the per-token walk of the field defaults below.
+# The defaults that selection v2 changed (docs/selection_v2.md: chosen from the H200 timings and
+# SmolLM2 quality), named for the entry points' signatures; ``SelectConfig``'s fields default to
+# them. ``query_tile=None`` resolves to ``min(QUERY_TILE, block_size)``.
 QUERY_TILE = 16
 SCORER = "bound"
 TILE_REDUCE = "qmean"
 BEAM_LEAF = 32  # 2 x the default topk; None: beam
 
-# The selection knobs every entry point takes and hands to ``resolve_config`` (``knobs_of`` picks
-# them from a call's arguments), in one place: a new knob is added here and to the signatures.
+# Decode's override of those defaults (``pisa_attn_with_kvcache``'s signature): the per-token
+# walk, decode's measured bar (docs/results_decode.md). A decode step is per token whatever the
+# knobs say; ``query_tile`` and ``tile_reduce`` apply to chunked prefill through the cache.
+DECODE_DEFAULTS = MappingProxyType({"scorer": "lse", "query_tile": 1, "tile_reduce": "sum",
+                                    "beam_leaf": None})
+
+# The selection knobs every entry point takes and hands to ``resolve_config`` by name: the fields
+# of ``SelectConfig`` and ``beam_ref_len`` (resolved into ``beam`` / ``beam_leaf``). A new knob is
+# added here, to ``SelectConfig`` and ``check_knobs``, and to the signatures.
 KNOBS = ("block_size", "topk", "branching", "beam", "beam_leaf", "beam_ref_len", "scorer",
          "selector", "forced_in_budget", "scale", "query_tile", "tile_reduce")
 
@@ -59,36 +66,45 @@ def query_tile_of(query_tile: int | None, block_size: int) -> int:
     return min(QUERY_TILE, block_size) if query_tile is None else query_tile
 
 
-def knobs_of(args: dict, **override) -> dict:
-    """The ``KNOBS`` among a call's arguments ``args`` (its ``locals()``), with ``override``."""
-    return {**{name: args[name] for name in KNOBS if name in args}, **override}
-
-
 # resolved once at import: torch.compile cannot trace importlib inside pisa_attn
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# torch.library schema types of SelectConfig's field annotations (``SelectConfig.op_schema``)
+_SCHEMA_TYPES = {"int": "int", "int | None": "int?", "float": "float", "bool": "bool",
+                 "str": "str"}
 
 
 @dataclass(frozen=True)
 class SelectConfig:
-    """Resolved selection knobs (see ``pisa.pisa_select`` for their meaning). The field defaults
-    are the per-token walk that decode keeps by default; the training / prefill entry points
-    default to ``QUERY_TILE``, ``SCORER``, ``TILE_REDUCE`` and ``BEAM_LEAF`` instead."""
+    """The selection knobs, resolved (see ``pisa.pisa_select`` for their meaning). The field
+    defaults are the public defaults of every training / prefill entry point (``pisa_select``,
+    ``pisa_attn``, their varlen and context-parallel forms, ``PisaAttention``, the HF
+    integration); decode overrides some of them (``DECODE_DEFAULTS``). ``beam=None`` and
+    ``query_tile=None`` mean what they mean there (``topk``; ``min(QUERY_TILE, block_size)``) and
+    are filled in on construction. ``resolve_config`` makes one from a call's knobs (checked, with
+    ``scale`` from the head dim: the default 0.125 is head dim 64's)."""
 
     block_size: int = 64
     topk: int = 16
     branching: int = 2
-    beam: int = 16
-    scorer: str = "lse"
+    beam: int | None = None
+    scorer: str = SCORER
     selector: str = "pyramid"
     forced_in_budget: bool = True
     scale: float = 0.125
-    # Selection v2 (docs/spec.md §11), appended after the v1 fields that callers pass by position.
+    # Selection v2 (docs/spec.md §11), after the v1 fields that tests pass by position.
     # Tokens at absolute positions [i * query_tile, (i + 1) * query_tile) share one selection.
-    query_tile: int = 1
+    query_tile: int | None = None
     # Beam at the lowest internal level (level 2); None: ``beam``. Read it through ``beam_at``.
-    beam_leaf: int | None = None
+    beam_leaf: int | None = BEAM_LEAF
     # How a tile's tokens score a candidate together: one of TILE_REDUCES.
-    tile_reduce: str = "sum"
+    tile_reduce: str = TILE_REDUCE
+
+    def __post_init__(self):
+        if self.beam is None:
+            object.__setattr__(self, "beam", self.topk)
+        if self.query_tile is None:
+            object.__setattr__(self, "query_tile", query_tile_of(None, self.block_size))
 
     def beam_at(self, level: int) -> int:
         """Beam kept at 1-based pyramid ``level`` (>= 2): ``beam_leaf`` at level 2, whose children
@@ -121,10 +137,17 @@ class SelectConfig:
         """How many non-forced blocks a query may take."""
         return self.topk - n_forced if self.forced_in_budget else self.topk
 
-    def astuple(self) -> tuple:
-        """The fields in order: the scalar arguments of the custom ops (``SelectConfig(*t)``
-        rebuilds it)."""
-        return astuple(self)
+    def op_kwargs(self) -> dict:
+        """The fields by name: how a config crosses a custom op's boundary (the op's schema
+        declares them, ``op_schema``; ``SelectConfig(**kwargs)`` rebuilds it on the other
+        side)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def op_schema(cls) -> str:
+        """The fields as keyword-only arguments of a ``torch.library`` schema, in field order
+        (``"int block_size, int topk, ..."``), for the custom ops that take ``op_kwargs``."""
+        return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in fields(cls))
 
 
 def n_query_tiles(n_queries: int, n_keys: int, query_tile: int) -> int:
@@ -168,16 +191,18 @@ def check_geometry(block_size: int, branching: int, backend: str = "torch") -> N
 
 
 def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = SelectConfig.topk,
-                branching: int = SelectConfig.branching, beam: int | None = None,
+                branching: int = SelectConfig.branching, beam: int | None = SelectConfig.beam,
                 scorer: str = SelectConfig.scorer, selector: str = SelectConfig.selector,
                 forced_in_budget: bool = SelectConfig.forced_in_budget,
                 scale: float | None = None, backend: str = "torch",
-                query_tile: int | None = SelectConfig.query_tile, beam_leaf: int | None = None,
+                query_tile: int | None = SelectConfig.query_tile,
+                beam_leaf: int | None = SelectConfig.beam_leaf,
                 tile_reduce: str = SelectConfig.tile_reduce,
                 beam_ref_len: int | None = None) -> None:
-    """Check the selection knobs without tensors (``resolve_config`` runs this first; objects made
-    before their inputs exist, such as ``PisaAttention``, run it at construction): a
-    ``TypeError`` naming a knob of the wrong type, a ``ValueError`` naming one out of range.
+    """Check the selection knobs without tensors, the one check of each (``resolve_config`` runs
+    it first; objects made before their inputs exist, such as ``PisaAttention``, run it at
+    construction): a ``TypeError`` naming a knob of the wrong type, a ``ValueError`` naming one
+    out of range.
     ``backend`` is checked to be one of ``BACKENDS``; ``"auto"`` bounds ``block_size`` by the
     widest (torch) range, as the device that decides is not known yet."""
     if backend not in BACKENDS:
@@ -261,42 +286,33 @@ def grown_beams(beam: int, beam_leaf: int | None, n_keys: int, ref_len: int, blo
 
 
 def resolve_config(q: torch.Tensor, k: torch.Tensor | None, backend: str, *,
-                   block_size: int = SelectConfig.block_size, topk: int = SelectConfig.topk,
-                   branching: int = SelectConfig.branching, beam: int | None = None,
-                   scorer: str = SelectConfig.scorer, selector: str = SelectConfig.selector,
-                   forced_in_budget: bool = SelectConfig.forced_in_budget,
-                   scale: float | None = None, query_tile: int | None = SelectConfig.query_tile,
-                   beam_leaf: int | None = None,
-                   tile_reduce: str = SelectConfig.tile_reduce,
-                   beam_ref_len: int | None = None,
-                   seqlen_k: int | None = None) -> SelectConfig:
-    """Check the selection knobs for the resolved ``backend`` and fill in defaults (``beam``:
-    ``topk``; ``scale``: ``D ** -0.5``; ``query_tile``: ``min(QUERY_TILE, block_size)``;
-    ``selector="auto"`` by the key length ``seqlen_k``, default ``k``'s — ``k`` may be None when
-    it is given: a packed batch's longest sequence, a sharded sequence's global length, a
-    cache's capacity); raise
-    ``ValueError`` (or ``TypeError``, for a knob of the wrong type) naming the bad one.
-    ``beam_leaf=None`` stays ``None``: it means ``beam`` (``SelectConfig.beam_at``), so that a
-    config made with ``SelectConfig(beam=...)`` and a resolved one compare equal.
-    ``beam_ref_len``: ``beam`` and ``beam_leaf`` grow with the key length past it
-    (``grown_beams``)."""
-    check_knobs(block_size=block_size, topk=topk, branching=branching, beam=beam, scorer=scorer,
-                selector=selector, forced_in_budget=forced_in_budget, scale=scale,
-                backend=backend, query_tile=query_tile, beam_leaf=beam_leaf,
-                tile_reduce=tile_reduce, beam_ref_len=beam_ref_len)
-    n_keys = k.shape[1] if seqlen_k is None else seqlen_k
-    if beam is None:
-        beam = topk
+                   seqlen_k: int | None = None, **knobs) -> SelectConfig:
+    """The ``SelectConfig`` of a call's ``knobs`` (``check_knobs``' keywords, by name; the
+    defaults are ``SelectConfig``'s) for the resolved ``backend``: ``check_knobs``, then
+    ``config_of`` with ``q``'s head dim and the key length ``seqlen_k``, default ``k``'s (``k``
+    may be None when it is given: a packed batch's longest sequence, a cache's capacity). Raises
+    ``ValueError`` (or ``TypeError``, for a knob of the wrong type) naming the bad one."""
+    check_knobs(backend=backend, **knobs)
+    return config_of(q.shape[-1], k.shape[1] if seqlen_k is None else seqlen_k, **knobs)
+
+
+def config_of(head_dim: int, n_keys: int, *, scale: float | None = None,
+              beam_ref_len: int | None = None, **knobs) -> SelectConfig:
+    """The ``SelectConfig`` of knobs that ``check_knobs`` passed (``resolve_config``; a caller that
+    must check them earlier, such as ``pisa.distributed`` before its collective, calls the two
+    apart): the other ``knobs`` are ``SelectConfig``'s fields by name (it fills ``beam`` and
+    ``query_tile``); ``scale`` None is ``head_dim ** -0.5``; ``selector="auto"`` is decided by
+    ``n_keys``; with ``beam_ref_len``, ``beam`` and ``beam_leaf`` grow for ``n_keys`` keys
+    (``grown_beams``). ``beam_leaf=None`` stays None (it means ``beam``: ``beam_at``)."""
+    scale = default_scale(head_dim) if scale is None else scale
+    cfg = SelectConfig(**knobs, scale=float(scale))
     if beam_ref_len is not None:
-        beam, beam_leaf = grown_beams(beam, beam_leaf, n_keys, beam_ref_len, block_size,
-                                      branching)
-    query_tile = query_tile_of(query_tile, block_size)
-    if scale is None:
-        scale = default_scale(q.shape[-1])
-    if selector == "auto":
-        selector = "flat_lse" if n_keys < AUTO_CROSSOVER_T else "pyramid"
-    return SelectConfig(block_size, topk, branching, beam, scorer, selector,
-                        bool(forced_in_budget), float(scale), query_tile, beam_leaf, tile_reduce)
+        beam, beam_leaf = grown_beams(cfg.beam, cfg.beam_leaf, n_keys, beam_ref_len,
+                                      cfg.block_size, cfg.branching)
+        cfg = replace(cfg, beam=beam, beam_leaf=beam_leaf)
+    if cfg.selector == "auto":
+        cfg = replace(cfg, selector="flat_lse" if n_keys < AUTO_CROSSOVER_T else "pyramid")
+    return cfg
 
 
 def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pisa.ops.attn import sparse_attn
 from pisa.ops.attn.naive import naive_attn
 from tests.ops.attn.common import all_blocks, make_qkv, random_selection, rel_err
-from tests.ops.conftest import INTERPRET
+from tests.ops.conftest import INTERPRET, per_token_config
 
 pytestmark = pytest.mark.usefixtures("fast_interpreter", "poison_outputs")
 
@@ -23,7 +23,8 @@ def test_backends_agree_through_the_op(rng):
     do = torch.randn_like(want_o)
     want_g = torch.autograd.grad(want_o, (q, k, v), do)
     for backend in ("naive", "torch"):
-        o, lse = sparse_attn(q, k, v, idx, C, 0.25, backend)
+        o, lse = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=0.25),
+                             backend=backend)
         assert o.dtype == torch.float64 and lse.dtype == torch.float32
         torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(lse, want_lse.float(), rtol=1e-6, atol=1e-6)
@@ -33,7 +34,9 @@ def test_backends_agree_through_the_op(rng):
         dev = "cpu" if INTERPRET else "cuda"
         q32, k32, v32 = (x.detach().float().to(dev).requires_grad_() for x in (q, k, v))
         for deterministic in (False, True):
-            o, lse = sparse_attn(q32, k32, v32, idx.to(dev), C, 0.25, "triton", deterministic)
+            o, lse = sparse_attn(q32, k32, v32, idx.to(dev),
+                                 cfg=per_token_config(block_size=C, scale=0.25), backend="triton",
+                                 deterministic=deterministic)
             assert o.dtype == torch.float32 and lse.dtype == torch.float32
             assert rel_err(o, want_o) < 1e-5 and rel_err(lse, want_lse) < 1e-5
             for got, want in zip(torch.autograd.grad(o, (q32, k32, v32), do.float().to(dev)),
@@ -46,7 +49,8 @@ def test_fake_kernel_gives_the_output_layout():
     k = torch.empty(2, 30, 2, 16, device="meta")
     idx = torch.empty(2, 7, 2, 5, dtype=torch.int32, device="meta")
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-        o, lse = sparse_attn(q, k, k, idx, 8, 0.25, "torch")
+        o, lse = sparse_attn(q, k, k, idx, cfg=per_token_config(block_size=8, scale=0.25),
+                             backend="torch")
     assert o.shape == q.shape and lse.shape == (2, 4, 7) and lse.dtype == torch.float32
 
 
@@ -90,7 +94,8 @@ def test_non_finite_input_gives_nan_rows_like_dense_sdpa(backend, case):
     dev = _device(backend)
     q, k, v = (x.detach() for x in make_qkv(B, T, T, HQ, HKV, D, torch.float32, device=dev))
     q, k = _poison(case, q, k)
-    o, lse = sparse_attn(q, k, v, all_blocks(B, T, T, HKV, C, device=dev), C, 0.25, backend)
+    o, lse = sparse_attn(q, k, v, all_blocks(B, T, T, HKV, C, device=dev),
+                         cfg=per_token_config(block_size=C, scale=0.25), backend=backend)
     ct = torch.float64 if backend == "naive" else torch.float32
     want = F.scaled_dot_product_attention(
         *(x.to(ct).repeat_interleave(HQ // x.shape[2], 2).transpose(1, 2) for x in (q, k, v)),
@@ -119,7 +124,8 @@ def test_nan_reaches_the_rows_that_attend_it_and_no_other(backend):
     q[0, 50, 2, 0] = math.nan  # heads 2, 3 share KV head 1: its row attends nothing
     q[0, 40, 0, 5] = math.nan
     k[0, 27, 1, 2] = math.nan  # block 3 of KV head 1
-    o, lse = sparse_attn(q, k, v, idx, C, 0.25, backend)
+    o, lse = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=0.25),
+                         backend=backend)
     o, lse, idx = o.cpu(), lse.cpu().transpose(1, 2), idx.cpu()
     t = torch.arange(T)
     want = torch.zeros(B, T, HQ, dtype=torch.bool)

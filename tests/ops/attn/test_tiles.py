@@ -17,7 +17,7 @@ from pisa.ops.select import tiles_to_tokens
 from pisa.ops.utils.config import check_block_idx, n_query_tiles
 from tests.ops.attn.common import (all_blocks, assert_matches_fp32_reference, compare_with_oracle,
                                    make_qkv, random_selection, rel_err)
-from tests.ops.conftest import INTERPRET
+from tests.ops.conftest import INTERPRET, per_token_config
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
@@ -49,7 +49,8 @@ def run_and_compare(backend, q, k, v, idx, C, scale, Qt, tol, lse_tol, *, refere
     """Forward and backward (with an lse gradient) of ``backend`` vs fp64 naive autograd on the
     per-token expansion; returns the backend's tensors."""
     Tq, Tk = q.shape[1], k.shape[1]
-    o, lse = sparse_attn(q, k, v, idx, C, scale, backend, deterministic, query_tile=Qt)
+    o, lse = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=scale),
+                         backend=backend, deterministic=deterministic, query_tile=Qt)
     rows = per_token(idx.cpu(), Tq, Tk, Qt)
     ref = (lambda *x: naive_attn(*x, rows, C, scale)) if reference is None else \
         (lambda *x: reference(*x, scale))
@@ -152,7 +153,8 @@ def test_deterministic_is_bitwise_repeatable(chunk, rng, triton_cfg):
     g = torch.randn(B, Tq, HQ, D).to(DEV)
     runs = []
     for deterministic in (True, True, False):
-        o, _ = sparse_attn(q, k, v, idx, C, 0.25, "triton", deterministic, query_tile=Qt)
+        o, _ = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=0.25),
+                           backend="triton", deterministic=deterministic, query_tile=Qt)
         runs.append(torch.autograd.grad(o, (q, k, v), g))
     for a, b, c in zip(*runs):
         assert torch.equal(a, b)
@@ -187,14 +189,15 @@ def test_row_count_is_checked_and_fake_kernel_gives_the_layout():
     q = torch.zeros(1, 10, 4, 16)
     k = torch.zeros(1, 30, 2, 16)
     with pytest.raises(ValueError, match="n_query_tiles"):
-        sparse_attn(q, k, k, torch.zeros(1, 10, 2, 3, dtype=torch.int32), 8, 0.25, "torch",
-                    query_tile=4)
+        sparse_attn(q, k, k, torch.zeros(1, 10, 2, 3, dtype=torch.int32),
+                    cfg=per_token_config(block_size=8, scale=0.25), backend="torch", query_tile=4)
     rows = n_query_tiles(10, 30, 4)  # positions 20..29: tiles 5, 6, 7
     assert rows == 3
     q, k = q.to("meta"), k.to("meta")
     idx = torch.empty(1, rows, 2, 3, dtype=torch.int32, device="meta")
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-        o, lse = sparse_attn(q, k, k, idx, 8, 0.25, "torch", query_tile=4)
+        o, lse = sparse_attn(q, k, k, idx, cfg=per_token_config(block_size=8, scale=0.25),
+                             backend="torch", query_tile=4)
     assert o.shape == q.shape and lse.shape == (1, 4, 10) and lse.dtype == torch.float32
 
 
@@ -239,7 +242,8 @@ def test_gpu_tiles_match_fp32_reference(case, deterministic, rng):
     dtype, B, Tq, Tk, HQ, HKV, D, C, S, Qt = case
     q, k, v = make_qkv(B, Tq, Tk, HQ, HKV, D, dtype, seed=rng, device="cuda")
     idx = random_selection(B, Tq, Tk, HKV, C, S, seed=rng, device="cuda", query_tile=Qt)
-    o, lse = sparse_attn(q, k, v, idx, C, D ** -0.5, "triton", deterministic, query_tile=Qt)
+    o, lse = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=D ** -0.5),
+                         backend="triton", deterministic=deterministic, query_tile=Qt)
     assert_matches_fp32_reference(q, k, v, o, lse, per_token(idx, Tq, Tk, Qt), C, D ** -0.5)
 
 
@@ -253,7 +257,8 @@ def test_gpu_tiles_equal_the_per_token_path(rng):
     g = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
     outs = []
     for sel, qt in ((idx, Qt), (per_token(idx, T, T, Qt).contiguous(), 1)):
-        o, lse = sparse_attn(q, k, v, sel, C, D ** -0.5, "triton", query_tile=qt)
+        o, lse = sparse_attn(q, k, v, sel, cfg=per_token_config(block_size=C, scale=D ** -0.5),
+                             backend="triton", query_tile=qt)
         outs.append((o, lse) + torch.autograd.grad(o, (q, k, v), g))
     for a, b in zip(*outs):
         assert rel_err(a, b) < 1e-2
@@ -269,7 +274,8 @@ def test_gpu_tiles_deterministic_bitwise(rng, triton_cfg):
     triton_cfg(dkv_chunk=256)
     runs = []
     for _ in range(2):
-        o, _ = sparse_attn(q, k, v, idx, C, D ** -0.5, "triton", True, query_tile=Qt)
+        o, _ = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=D ** -0.5),
+                           backend="triton", deterministic=True, query_tile=Qt)
         runs.append(torch.autograd.grad(o, (q, k, v), g))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
@@ -286,7 +292,8 @@ def test_gpu_tile_lengths_compile_nothing(rng):
         B, HQ, HKV, D, C, S, Qt = 2, 16, 4, 64, 64, 8, 16
         q, k, v = make_qkv(B, Tq, Tk, HQ, HKV, D, torch.bfloat16, seed=rng, device="cuda")
         idx = random_selection(B, Tq, Tk, HKV, C, S, seed=rng, device="cuda", query_tile=Qt)
-        o, _ = sparse_attn(q, k, v, idx, C, D ** -0.5, "triton", query_tile=Qt)
+        o, _ = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=D ** -0.5),
+                           backend="triton", query_tile=Qt)
         o.sum().backward()
         torch.cuda.synchronize()
 

@@ -9,7 +9,7 @@ from pisa.ops.attn import sparse_attn
 from pisa.ops.attn.naive import naive_attn, naive_dense_attn
 from pisa.ops.attn.torch_backend import attn_fwd_torch
 from pisa.ops.select.torch_backend import select_torch
-from pisa.ops.utils.config import SelectConfig
+from tests.ops.conftest import per_token_config
 
 
 def _inputs(B, Tq, Tk, HKV, G, D, dtype=torch.float64):
@@ -46,9 +46,9 @@ def test_torch_attention_equals_naive_with_pyramid_selection(T, G, D, scorer, rn
     B, HKV = (1, 1) if T >= 1000 else (2, 2)
     C = 16 if T >= 1000 else 8
     q, k, v = _inputs(B, T, T, HKV, G, D)
-    cfg = SelectConfig(C, 6, 2, 4, scorer, "pyramid", True, D ** -0.5)
+    cfg = per_token_config(C, 6, 2, 4, scorer, "pyramid", True, D ** -0.5)
     idx, _ = select_torch(q.detach(), k.detach(), cfg)  # == naive_select (select/ tests)
-    o, lse = sparse_attn(q, k, v, idx, C, cfg.scale, "torch")
+    o, lse = sparse_attn(q, k, v, idx, cfg=cfg, backend="torch")
     o_ref, lse_ref = naive_attn(q, k, v, idx, C, cfg.scale)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-6, atol=1e-6)
@@ -63,7 +63,8 @@ def test_low_precision_within_dtype_tolerance(dtype, tol, rng):
     B, Tq, Tk, HKV, G, D, C = 2, 70, 150, 2, 4, 32, 8
     q, k, v = _inputs(B, Tq, Tk, HKV, G, D, dtype)
     idx = _random_selection(B, Tq, Tk, HKV, C, 6)
-    o, lse = sparse_attn(q, k, v, idx, C, D ** -0.5, "torch")
+    o, lse = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=D ** -0.5),
+                         backend="torch")
     assert o.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, HKV * G, Tq)
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     o_ref, lse_ref = naive_attn(qd, kd, vd, idx, C, D ** -0.5)
@@ -80,7 +81,8 @@ def test_every_block_selected_equals_dense_causal(rng):
     q, k, v = _inputs(B, Tq, Tk, HKV, G, D)
     n = -(-Tk // C)
     idx = torch.arange(n, dtype=torch.int32).expand(B, Tq, HKV, n).contiguous()
-    o, lse = sparse_attn(q, k, v, idx, C, 0.3, "torch")
+    o, lse = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=0.3),
+                         backend="torch")
     o_ref, lse_ref = naive_dense_attn(q, k, v, 0.3)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-6, atol=1e-6)
@@ -90,9 +92,10 @@ def test_gqa_equals_repeated_kv_mha(rng):
     B, T, HKV, G, D, C = 2, 90, 2, 4, 16, 8
     q, k, v = _inputs(B, T, T, HKV, G, D)
     idx = _random_selection(B, T, T, HKV, C, 5)
-    o = sparse_attn(q, k, v, idx, C, 0.25, "torch")[0]
+    cfg = per_token_config(block_size=C, scale=0.25)
+    o = sparse_attn(q, k, v, idx, cfg=cfg, backend="torch")[0]
     rep = lambda x: x.repeat_interleave(G, dim=2)  # noqa: E731
-    o_mha = sparse_attn(q, rep(k), rep(v), rep(idx).contiguous(), C, 0.25, "torch")[0]
+    o_mha = sparse_attn(q, rep(k), rep(v), rep(idx).contiguous(), cfg=cfg, backend="torch")[0]
     torch.testing.assert_close(o, o_mha, rtol=1e-12, atol=1e-12)
 
 
@@ -100,7 +103,8 @@ def test_lse_matches_torch_logsumexp_of_selected_logits(rng):
     B, T, HKV, G, D, C = 1, 40, 1, 2, 16, 8
     q, k, v = _inputs(B, T, T, HKV, G, D)
     idx = _random_selection(B, T, T, HKV, C, 3)
-    _, lse = sparse_attn(q, k, v, idx, C, 0.5, "torch")
+    _, lse = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=C, scale=0.5),
+                         backend="torch")
     for t in range(T):
         keys = [j for c in idx[0, t, 0].tolist() if c >= 0
                 for j in range(c * C, min((c + 1) * C, t + 1))]
@@ -127,7 +131,8 @@ def test_selection_of_padding_only_attends_to_nothing(rng):
     elements): o = 0, lse = -inf and zero gradients, as the oracle gives."""
     q, k, v = _inputs(1, 20, 30, 2, 2, 16)
     idx = torch.full((1, 20, 2, 3), -1, dtype=torch.int32)
-    o, lse = sparse_attn(q, k, v, idx, 8, 0.25, "torch")
+    o, lse = sparse_attn(q, k, v, idx, cfg=per_token_config(block_size=8, scale=0.25),
+                         backend="torch")
     assert (o == 0).all() and torch.isneginf(lse).all()
     for g in torch.autograd.grad(o, (q, k, v), torch.randn_like(o)):
         assert (g == 0).all()

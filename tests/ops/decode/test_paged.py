@@ -11,13 +11,12 @@ import math
 import pytest
 import torch
 
-from pisa.ops.decode import check_decode, prefill_with_cache
+from pisa.ops.decode import prefill_with_cache
 from pisa.ops.decode.kvcache import (append_kv, bounds_from_keys, check_batch_idx,
                                      check_block_table, check_cache, gather_pages, write_kv)
 from pisa.ops.decode.torch_backend import decode_torch
-from pisa.ops.utils.config import SelectConfig
 from pisa.ops.utils.geometry import level_offsets
-from tests.ops.conftest import INTERPRET
+from tests.ops.conftest import INTERPRET, per_token_config
 from tests.ops.decode.common import make_cache, pyramid_sums, to_pages
 
 pytest.importorskip("triton")  # conftest sets TRITON_INTERPRET=1 without CUDA
@@ -58,8 +57,8 @@ def test_paged_decode_equals_contiguous_with_shuffled_pages_and_slots(backend, c
     paged cache read through ``cache_batch_idx`` for a running batch that holds the slots in
     another order (and leaves one out)."""
     B, HKV, G, D, C, g, W, W2, scorer, T, seqlens, splits = case
-    cfg = SelectConfig(block_size=C, topk=6, branching=g, beam=W, beam_leaf=W2, scorer=scorer,
-                       scale=D ** -0.5)
+    cfg = per_token_config(block_size=C, topk=6, branching=g, beam=W, beam_leaf=W2, scorer=scorer,
+                           scale=D ** -0.5)
     q, k, v, sums, lens = make_cache(B, T, HKV, G, D, seqlens, C, g, seed=T + B)
     kw = {"num_splits": splits} if backend == "triton" else {}
     if scorer == "bound":
@@ -83,7 +82,7 @@ def test_pages_or_slots_outside_the_cache_give_nan_rows(backend):
     that sequence NaN rows and leaves the others exact. Entries past a sequence's pages (or of
     an empty sequence) are never read."""
     C, g = 16, 2
-    cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=2, scale=0.25)
+    cfg = per_token_config(block_size=C, topk=4, branching=g, beam=2, scale=0.25)
     seqlens = [200, 130, 0]
     q, k, v, sums, lens = make_cache(3, 256, 1, 2, 16, seqlens, C, g, seed=5)
     k_pool, v_pool, table = to_pages(k, v, C)
@@ -140,19 +139,19 @@ def test_chunked_prefill_through_pages_equals_contiguous(backend):
     """``prefill_with_cache`` reading a shuffled page pool (and slots) equals the contiguous
     cache's, bitwise."""
     B, T, HKV, G, D, C, g, L = 2, 256, 1, 2, 16, 16, 2, 20
-    cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=2, scale=0.25, query_tile=4)
+    cfg = per_token_config(block_size=C, topk=4, branching=g, beam=2, scale=0.25, query_tile=4)
     seqlens = [256, 150]
     _, k, v, sums, _ = make_cache(B, T, HKV, G, D, seqlens, C, g, seed=3)
     q = torch.randn(B, L, HKV * G, D, generator=torch.Generator().manual_seed(4))
     dev = DEVICE if backend == "triton" else "cpu"
     k_pool, v_pool, table = to_pages(k, v, C)
     args = [x.to(dev) for x in (q, k, v, sums)]
-    want = prefill_with_cache(*args, seqlens, cfg, backend)
-    got = prefill_with_cache(args[0], k_pool.to(dev), v_pool.to(dev), args[3], seqlens, cfg,
-                             backend, block_table=table.to(dev))
+    want = prefill_with_cache(*args, seqlens, cfg=cfg, backend=backend)
+    got = prefill_with_cache(args[0], k_pool.to(dev), v_pool.to(dev), args[3], seqlens, cfg=cfg,
+                             backend=backend, block_table=table.to(dev))
     _same(got, want)
-    got = prefill_with_cache(args[0][[1]], k_pool.to(dev), v_pool.to(dev), args[3], [150], cfg,
-                             backend, block_table=table[[1]].to(dev), slots=[1])
+    got = prefill_with_cache(args[0][[1]], k_pool.to(dev), v_pool.to(dev), args[3], [150],
+                             cfg=cfg, backend=backend, block_table=table[[1]].to(dev), slots=[1])
     _same(got, [x[[1]] for x in want])
 
 
@@ -175,11 +174,10 @@ def _paged(seqlens=(40, 17), T=64, C=16, g=2):
     (dict(cache_batch_idx=lambda _: torch.tensor([0], dtype=torch.int32)), ValueError,
      "block_table must have a row per sequence"),
 ])
-def test_check_decode_names_the_bad_paged_argument(change, exc, msg):
-    """Metadata of the paged form (no host sync): dtype, dims, contiguity and rows of
-    ``block_table``, pages of one leaf block and one stride apart, ``cache_batch_idx``."""
-    q, k_pool, v_pool, table, sums, lens = _paged()
-    cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=2, scale=0.25)
+def test_check_cache_names_the_bad_paged_argument(change, exc, msg):
+    """Metadata of the paged form (``check_cache``, no host sync): dtype, dims, contiguity and
+    rows of ``block_table``, pages of one leaf block and one stride apart, ``cache_batch_idx``."""
+    _, k_pool, v_pool, table, sums, lens = _paged()
     kw = dict(block_table=table, cache_batch_idx=None)
     for name, f in change.items():
         if name == "k_pool":
@@ -187,7 +185,7 @@ def test_check_decode_names_the_bad_paged_argument(change, exc, msg):
         else:
             kw[name] = f(table)
     with pytest.raises(exc, match=msg):
-        check_decode(q, k_pool, v_pool, sums, lens, cfg, **kw)
+        check_cache(k_pool, v_pool, sums, lens, 16, 2, **kw)
 
 
 def test_host_checks_of_the_table_and_slots_name_the_bad_entry():
@@ -275,8 +273,8 @@ def test_gpu_paged_decode_equals_contiguous_bf16(scorer, beam_leaf, splits):
     pages (and, for a running batch, slots in another order) gives the contiguous cache's
     selection and output (the same arithmetic: bitwise expected)."""
     B, T, HKV, G, D = 3, 32768, 4, 16, 128
-    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=16, scorer=scorer,
-                       beam_leaf=beam_leaf, scale=D ** -0.5)
+    cfg = per_token_config(block_size=64, topk=16, branching=2, beam=16, scorer=scorer,
+                           beam_leaf=beam_leaf, scale=D ** -0.5)
     k_cache, v_cache, sums, lens, k_pool, v_pool, table = _gpu_paged(
         B, T, HKV, D, [T, 20000, 777], cfg, seed=1)
     q = torch.randn(B, 1, HKV * G, D, device="cuda", dtype=torch.bfloat16)
@@ -302,7 +300,7 @@ def test_gpu_paged_append_and_decode_replay_in_a_cuda_graph():
     captured once: replays equal the eager steps, and the contiguous cache's."""
     from tests.ops.decode.test_triton import replay_matches_eager
     B, T, HKV, G, D = 4, 8192, 2, 8, 128
-    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
+    cfg = per_token_config(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
     k_cache, v_cache, sums, lens, k_pool, v_pool, table = _gpu_paged(
         B, T, HKV, D, [5000, 100, 8000, 64], cfg, seed=2)
     gen = torch.Generator(device="cuda").manual_seed(3)

@@ -8,12 +8,12 @@ import torch
 from pisa.ops.attn.naive import naive_dense_attn
 from pisa.ops.decode.kvcache import empty_bounds, write_kv
 from pisa.ops.decode.torch_backend import decode_torch
-from pisa.ops.utils.config import SelectConfig
+from tests.ops.conftest import per_token_config
 from tests.ops.decode.common import filled_cache, oracle_rows
 
 
 def _cfg(C=8, K=5, g=2, W=2, scorer="lse", selector="pyramid", fib=True, D=16):
-    return SelectConfig(C, K, g, W, scorer, selector, fib, D ** -0.5)
+    return per_token_config(C, K, g, W, scorer, selector, fib, D ** -0.5)
 
 
 CASES = [  # G, C, g, W, K, scorer, selector, forced_in_budget
@@ -61,7 +61,7 @@ def test_decode_v2_knobs_equal_naive_oracle_mixed_lengths(case, rng):
     seqlens = [1, K * C, K * C + 1] + torch.randint(K * C + 2, T + 1, (B - 3,)).tolist()
     q = torch.randn(B, 1, H * G, D, dtype=torch.float64)
     k, v = torch.randn(2, B, T, H, D, dtype=torch.float64)
-    cfg = SelectConfig(C, K, g, W, scorer, "pyramid", fib, D ** -0.5, beam_leaf=W2)
+    cfg = per_token_config(C, K, g, W, scorer, "pyramid", fib, D ** -0.5, beam_leaf=W2)
     k_cache, v_cache, sums, lens = filled_cache(k, v, seqlens, T, C, g)
     mins, maxs = empty_bounds(sums)
     empty = torch.zeros_like(lens)

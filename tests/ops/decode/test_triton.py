@@ -10,6 +10,8 @@ CUDA-graph capture and replay.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from pisa.ops.select import select
 from pisa.ops.select.naive import naive_select
 from pisa.ops.utils.config import SelectConfig
 from pisa.ops.utils.geometry import cdiv, level_offsets
-from tests.ops.conftest import INTERPRET
+from tests.ops.conftest import INTERPRET, per_token_config
 from tests.ops.decode.common import assert_matches, make_cache, oracle, pyramid_sums
 
 pytest.importorskip("triton")  # conftest sets TRITON_INTERPRET=1 without CUDA
@@ -58,8 +60,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:12])))
 def test_decode_matches_oracle(case):
     B, HKV, G, D, C, g, W, K, in_budget, T_max, seqlens, splits, dtype = case
-    cfg = SelectConfig(block_size=C, topk=K, branching=g, beam=W, forced_in_budget=in_budget,
-                       scale=D ** -0.5)
+    cfg = per_token_config(block_size=C, topk=K, branching=g, beam=W, forced_in_budget=in_budget,
+                           scale=D ** -0.5)
     q, k, v, sums, lens = make_cache(B, T_max, HKV, G, D, seqlens, C, g, dtype, seed=T_max + W)
     want = oracle(q, k, v, seqlens, cfg)
     assert_matches(run(q, k, v, sums, lens, cfg, num_splits=splits), want,
@@ -80,7 +82,7 @@ def test_walk_entry_level(case):
     position: every entry depth, the forced-node exclusion in the level above, and caches too
     small for any internal level, against the oracle."""
     T_max, C, g, W, seqlens = case
-    cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=W, scale=0.25)
+    cfg = per_token_config(block_size=C, topk=4, branching=g, beam=W, scale=0.25)
     q, k, v, sums, lens = make_cache(len(seqlens), T_max, 1, 2, 16, seqlens, C, g, seed=T_max)
     want = oracle(q, k, v, seqlens, cfg)
     assert_matches(run(q, k, v, sums, lens, cfg, num_splits=2), want, 1e-4)
@@ -93,7 +95,7 @@ def test_walk_ranks_a_level_with_one_free_node_too_many():
     means rank node 2 last, so leaf 4 is never a leaf candidate, though its exact LSE is the
     highest; a walk that kept both nodes would select it."""
     C, g, T_max, s = 16, 2, 256, 140
-    cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=1, scale=0.25)
+    cfg = per_token_config(block_size=C, topk=4, branching=g, beam=1, scale=0.25)
     q, k, v, _, lens = make_cache(1, T_max, 1, 2, 16, [s], C, g, seed=9)
     u = F.normalize(torch.randn(16, generator=torch.Generator().manual_seed(10)), dim=0)
     q[:] = 2 * u  # both query heads along u
@@ -102,7 +104,7 @@ def test_walk_ranks_a_level_with_one_free_node_too_many():
     sums = pyramid_sums(k, [s], C, g)
     want = oracle(q, k, v, [s], cfg)
     assert 4 not in want[2].flatten().tolist()
-    wide = SelectConfig(**{**cfg.__dict__, "beam": 2})
+    wide = dataclasses.replace(cfg, beam=2)
     assert 4 in naive_select(q, k[:, :s], wide)[0].flatten().tolist()
     assert_matches(run(q, k, v, sums, lens, cfg, num_splits=2), want, 1e-4)
 
@@ -110,7 +112,7 @@ def test_walk_ranks_a_level_with_one_free_node_too_many():
 def test_splits_agree_and_default():
     """Every split count (and the default) gives the oracle's result; more splits than list
     entries are capped."""
-    cfg = SelectConfig(block_size=16, topk=5, branching=2, beam=3, scale=0.25)
+    cfg = per_token_config(block_size=16, topk=5, branching=2, beam=3, scale=0.25)
     seqlens = [333, 160]
     q, k, v, sums, lens = make_cache(2, 336, 1, 2, 16, seqlens, 16, 2, seed=4)
     want = oracle(q, k, v, seqlens, cfg)
@@ -121,7 +123,7 @@ def test_splits_agree_and_default():
 def test_short_sequences_are_dense_causal():
     """A query in the first K blocks selects every causal block: dense causal attention."""
     C, K = 16, 6
-    cfg = SelectConfig(block_size=C, topk=K, branching=2, beam=2, scale=0.25)
+    cfg = per_token_config(block_size=C, topk=K, branching=2, beam=2, scale=0.25)
     seqlens = [K * C, 5 * C + 3, 2]
     q, k, v, sums, lens = make_cache(3, 256, 1, 4, 16, seqlens, C, 2, seed=8)
     o, lse, idx = run(q, k, v, sums, lens, cfg, num_splits=2)
@@ -137,7 +139,7 @@ def test_token_by_token_with_append():
     """The serving loop: append one token with ``append_kv`` (then advance the lengths), decode;
     each step equals the oracle over the keys so far."""
     B, T_max, HKV, G, D, C, g = 2, 160, 1, 2, 16, 16, 2
-    cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=2, scale=0.25)
+    cfg = per_token_config(block_size=C, topk=4, branching=g, beam=2, scale=0.25)
     start = [90, 141]
     gen = torch.Generator().manual_seed(3)
     k = torch.randn(B, T_max, HKV, D, generator=gen)
@@ -157,15 +159,15 @@ def test_token_by_token_with_append():
 
 
 def test_rejects_what_the_kernel_cannot_run():
-    """The kernel's own limits; the shape, dtype and cache checks are ``check_decode``'s
+    """The kernel's own limits; the shape, dtype and cache checks are ``PisaCache.prepare``'s
     (``test_decode.py``)."""
-    cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=2, scale=0.25)
+    cfg = per_token_config(block_size=16, topk=4, branching=2, beam=2, scale=0.25)
     q, k, v, sums, lens = make_cache(1, 64, 1, 2, 16, [40], 16, 2)
     args = (q, k, v, sums, lens)
     bad_cfgs = {"scorer='lse'": {"scorer": "mean"}, "selector='pyramid'": {"selector": "flat_lse"},
                 "branching": {"branching": 3}, "block_size": {"block_size": 8}}
     for match, change in bad_cfgs.items():
-        bad = SelectConfig(**{**cfg.__dict__, **change})
+        bad = dataclasses.replace(cfg, **change)
         with pytest.raises(ValueError, match=match):
             decode_triton(q, k, v, pyramid_sums(k, [40], bad.block_size, bad.branching), lens, bad)
     with pytest.raises(ValueError, match="num_splits"):
@@ -175,7 +177,7 @@ def test_rejects_what_the_kernel_cannot_run():
     with pytest.raises(ValueError, match="num_stages"):
         decode_triton(*args, cfg, num_stages=0)
     with pytest.raises(ValueError, match="beam >= 1"):
-        decode_triton(*args, SelectConfig(**{**cfg.__dict__, "beam": 0}))
+        decode_triton(*args, dataclasses.replace(cfg, beam=0))
     with pytest.raises(ValueError, match="query heads per KV head"):
         decode_triton(q.repeat(1, 1, 33, 1)[:, :, :65], k, v, sums, lens, cfg)
     with pytest.raises(TypeError, match="fp16/bf16/fp32"):
@@ -207,8 +209,8 @@ def test_decode_v2_knobs_match_oracle(case):
     level's candidates), narrower, and ``scorer="bound"`` (the bounds of each sequence's real
     keys; the garbage keys past a length never enter them) against the oracle."""
     B, HKV, G, C, g, W, W2, scorer, K, T_max, seqlens, splits, dtype = case
-    cfg = SelectConfig(block_size=C, topk=K, branching=g, beam=W, scorer=scorer,
-                       scale=16 ** -0.5, beam_leaf=W2)
+    cfg = per_token_config(block_size=C, topk=K, branching=g, beam=W, scorer=scorer,
+                           scale=16 ** -0.5, beam_leaf=W2)
     q, k, v, sums, lens = make_cache(B, T_max, HKV, G, 16, seqlens, C, g, dtype, seed=T_max + W)
     want = oracle(q, k, v, seqlens, cfg)
     assert_matches(run(q, k, v, sums, lens, cfg, num_splits=splits), want,
@@ -230,8 +232,8 @@ ENTRY_V2 = [(1024, 16, 2, 4, 16, [410, 1024]), (1024, 16, 2, 8, 16, [570, 1024])
 def test_walk_entry_level_with_a_level_2_beam(case):
     T_max, C, g, W, W2, seqlens = case
     for scorer in ("lse", "bound"):
-        cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=W, scorer=scorer, scale=0.25,
-                           beam_leaf=W2)
+        cfg = per_token_config(block_size=C, topk=4, branching=g, beam=W, scorer=scorer, scale=0.25,
+                               beam_leaf=W2)
         q, k, v, sums, lens = make_cache(len(seqlens), T_max, 1, 2, 16, seqlens, C, g, seed=W2)
         assert_matches(run(q, k, v, sums, lens, cfg, num_splits=2), oracle(q, k, v, seqlens, cfg),
                        1e-4)
@@ -240,11 +242,11 @@ def test_walk_entry_level_with_a_level_2_beam(case):
 def test_beam_leaf_none_is_the_single_beam_kernel():
     """``beam_leaf=None`` and ``beam_leaf=beam`` give the single-beam kernel's constexprs (one
     register width) and bitwise the same outputs and selection, the oracle's."""
-    cfg = SelectConfig(block_size=16, topk=5, branching=2, beam=3, scale=0.25)
+    cfg = per_token_config(block_size=16, topk=5, branching=2, beam=3, scale=0.25)
     assert beam_widths(cfg, 32) == (3, 4, 3, 4)
-    same = SelectConfig(**{**cfg.__dict__, "beam_leaf": 3})
+    same = dataclasses.replace(cfg, beam_leaf=3)
     assert beam_widths(same, 32) == beam_widths(cfg, 32)
-    assert beam_widths(SelectConfig(**{**cfg.__dict__, "beam_leaf": 40}), 64) == (3, 4, 40, 16)
+    assert beam_widths(dataclasses.replace(cfg, beam_leaf=40), 64) == (3, 4, 40, 16)
     seqlens = [333, 160]
     q, k, v, sums, lens = make_cache(2, 336, 1, 2, 16, seqlens, 16, 2, seed=4)
     got = run(q, k, v, sums, lens, cfg, num_splits=2)
@@ -256,8 +258,8 @@ def test_beam_leaf_none_is_the_single_beam_kernel():
 def test_bound_token_by_token_with_append():
     """The serving loop with bounds: ``append_kv`` keeps sums and bounds, decode ranks by them."""
     B, T_max, HKV, G, D, C, g = 2, 160, 1, 2, 16, 16, 2
-    cfg = SelectConfig(block_size=C, topk=4, branching=g, beam=1, scorer="bound", scale=0.25,
-                       beam_leaf=2)
+    cfg = per_token_config(block_size=C, topk=4, branching=g, beam=1, scorer="bound", scale=0.25,
+                           beam_leaf=2)
     gen = torch.Generator().manual_seed(5)
     k = torch.randn(B, T_max, HKV, D, generator=gen)
     v = torch.randn(B, T_max, HKV, D, generator=gen)
@@ -282,21 +284,21 @@ def test_bound_token_by_token_with_append():
 
 
 def test_rejects_what_the_v2_kernel_cannot_run():
-    cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=2, scale=0.25)
+    cfg = per_token_config(block_size=16, topk=4, branching=2, beam=2, scale=0.25)
     q, k, v, sums, lens = make_cache(1, 64, 1, 2, 16, [40], 16, 2)
     mins, maxs = bounds_from_keys(k, lens, 16, 2)
-    bound = SelectConfig(**{**cfg.__dict__, "scorer": "bound"})
+    bound = dataclasses.replace(cfg, scorer="bound")
     with pytest.raises(ValueError, match="key bounds"):
         decode_triton(q, k, v, sums, lens, bound)
     with pytest.raises(ValueError, match="strides of sums"):
         decode_triton(q, k, v, sums, lens, bound, mins=mins[:, :-1], maxs=maxs[:, :-1])
     with pytest.raises(ValueError, match="beam_leaf >= 1"):
-        decode_triton(q, k, v, sums, lens, SelectConfig(**{**cfg.__dict__, "beam_leaf": 0}))
-    wide = SelectConfig(**{**cfg.__dict__, "beam": 128, "beam_leaf": 512})
+        decode_triton(q, k, v, sums, lens, dataclasses.replace(cfg, beam_leaf=0))
+    wide = dataclasses.replace(cfg, beam=128, beam_leaf=512)
     with pytest.raises(ValueError, match="beam_leaf=512 is too wide"):
         beam_widths(wide, 4096)
     with pytest.raises(ValueError, match="beam=300 is too wide"):
-        beam_widths(SelectConfig(**{**cfg.__dict__, "beam": 300}), 4096)
+        beam_widths(dataclasses.replace(cfg, beam=300), 4096)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,8 +343,8 @@ def _reference(q, k, v, seqlens, idx, cfg: SelectConfig):
     sel, outs, lses = [], [], []
     for b, s in enumerate(seqlens):
         qb, kb, vb = q[b:b + 1].float(), k[b:b + 1, :s].float(), v[b:b + 1, :s].float()
-        sel.append(select(qb, kb, cfg, "torch")[0])
-        o, lse = sparse_attn(qb, kb, vb, idx[b:b + 1], cfg.block_size, cfg.scale, "torch")
+        sel.append(select(qb, kb, cfg=cfg, backend="torch")[0])
+        o, lse = sparse_attn(qb, kb, vb, idx[b:b + 1], cfg=cfg, backend="torch")
         outs.append(o)
         lses.append(lse)
     return torch.cat(sel), torch.cat(outs), torch.cat(lses)
@@ -383,7 +385,7 @@ def test_gpu_decode_matches_fp32_reference(T_max, splits, g, dtype):
     """Batch 3, mixed lengths (a full cache, 3/4 of it, a short one): the selection equals the
     fp32 torch selection up to near-ties, the output the fp32 attention over it."""
     B, HKV, G, D = 3, 4, 8, 128
-    cfg = SelectConfig(block_size=64, topk=16, branching=g, beam=16, scale=D ** -0.5)
+    cfg = per_token_config(block_size=64, topk=16, branching=g, beam=16, scale=D ** -0.5)
     seqlens = [T_max, T_max * 3 // 4 + 5, 777]
     _, k, v = _qkv(B, T_max, HKV, 0, D, seed=T_max, dtype=dtype)  # G = 0: keys and values only
     q = _qkv(B, 1, HKV, G, D, seed=T_max + 1, dtype=dtype)[0]
@@ -404,7 +406,7 @@ def test_gpu_tuning_knobs_keep_results():
     selection up to near-ties, and where it is the same, the same output to bf16 accuracy. 64K
     cache: several walk levels skipped and several ranked."""
     B, HKV, G, D, T_max = 3, 4, 16, 128, 65536
-    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
+    cfg = per_token_config(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
     _, k, v = _qkv(B, T_max, HKV, 0, D, seed=5)
     q = _qkv(B, 1, HKV, G, D, seed=6)[0]
     k_cache, v_cache, sums, lens = _gpu_cache(k, v, [T_max, 40000, 777], T_max, cfg)
@@ -431,15 +433,15 @@ def test_gpu_token_by_token_decode_equals_prefill_rows():
     may differ only on near-ties (append and prefill sum the pyramid in different orders): rows
     that differ are checked against attention over the decode's own selection instead."""
     B, HKV, G, D, P = 2, 2, 8, 128, 6
-    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
+    cfg = per_token_config(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
     lengths = [8192, 5000]
     q, k, v = _qkv(B, 8192, HKV, G, D, seed=7)
     k_cache, v_cache, sums, lens = _gpu_cache(k, v, [n - P for n in lengths], 8192, cfg)
     prefill = []
     for b, n in enumerate(lengths):
         qb, kb, vb = q[b:b + 1, n - P:n], k[b:b + 1, :n], v[b:b + 1, :n]
-        idx, _ = select(qb, kb, cfg, "triton")
-        prefill.append((idx, sparse_attn(qb, kb, vb, idx, cfg.block_size, cfg.scale, "triton")[0]))
+        idx, _ = select(qb, kb, cfg=cfg, backend="triton")
+        prefill.append((idx, sparse_attn(qb, kb, vb, idx, cfg=cfg, backend="triton")[0]))
     n_same = 0
     for p in range(P):
         pos = lens.long()
@@ -457,7 +459,7 @@ def test_gpu_token_by_token_decode_equals_prefill_rows():
             else:
                 qb = q[b:b + 1, n - P + p:n - P + p + 1].float()
                 kb, vb = k[b:b + 1, :n - P + p + 1].float(), v[b:b + 1, :n - P + p + 1].float()
-                ref, _ = sparse_attn(qb, kb, vb, idx[b:b + 1], cfg.block_size, cfg.scale, "torch")
+                ref, _ = sparse_attn(qb, kb, vb, idx[b:b + 1], cfg=cfg, backend="torch")
                 assert _rel(o[b:b + 1], ref) < 1e-2, (p, b)
     assert n_same >= 0.9 * P * B, f"{n_same} of {P * B} decode rows selected as prefill did"
 
@@ -467,7 +469,7 @@ def test_gpu_cuda_graph_replay_equals_eager():
     """append_kv + advance the lengths + decode_triton, captured once; two replays with new
     inputs give bitwise the outputs of the same two steps run eagerly from the same cache."""
     B, T_max, HKV, G, D = 4, 8192, 2, 8, 128
-    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
+    cfg = per_token_config(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
     seqlens = [5000, 100, 8000, 64]
     _, k, v = _qkv(B, T_max, HKV, 0, D, seed=11)
     state0 = _gpu_cache(k, v, seqlens, T_max, cfg)
@@ -492,8 +494,8 @@ def test_gpu_v2_decode_matches_torch_backend(beam_leaf, scorer, splits):
     near-ties, the output the fp32 attention over the Triton kernel's own selection, and the
     torch backend's decode step of the same cache (fp32) for nearly every head."""
     B, HKV, G, D, T_max = 3, 4, 8, 128, 32768
-    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=16, scorer=scorer,
-                       scale=D ** -0.5, beam_leaf=beam_leaf)
+    cfg = per_token_config(block_size=64, topk=16, branching=2, beam=16, scorer=scorer,
+                           scale=D ** -0.5, beam_leaf=beam_leaf)
     seqlens = [T_max, T_max * 3 // 4 + 5, 777]
     _, k, v = _qkv(B, T_max, HKV, 0, D, seed=31)
     q = _qkv(B, 1, HKV, G, D, seed=32)[0]
@@ -518,8 +520,8 @@ def test_gpu_append_with_bounds_is_captured_by_a_cuda_graph():
     """append_kv with the key bounds + decode_triton with scorer="bound" and beam_leaf, captured
     once: replays equal the same steps run eagerly."""
     B, T_max, HKV, G, D = 2, 8192, 2, 8, 128
-    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=8, scorer="bound",
-                       scale=D ** -0.5, beam_leaf=32)
+    cfg = per_token_config(block_size=64, topk=16, branching=2, beam=8, scorer="bound",
+                           scale=D ** -0.5, beam_leaf=32)
     seqlens = [5000, 8000]
     _, k, v = _qkv(B, T_max, HKV, 0, D, seed=41)
     k_cache, v_cache, sums, lens = _gpu_cache(k, v, seqlens, T_max, cfg)

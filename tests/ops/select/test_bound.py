@@ -9,8 +9,8 @@ from pisa.ops.pyramid.torch_backend import build_pyramid_torch
 from pisa.ops.select import select
 from pisa.ops.select.naive import child_logits, naive_select
 from pisa.ops.select.torch_backend import bound_logits, reduce_tokens, select_torch, walk
-from pisa.ops.utils.config import SelectConfig
 from pisa.ops.utils.geometry import forced_leaves_tensor
+from tests.ops.conftest import per_token_config
 from tests.ops.select.common import assert_same
 
 
@@ -20,7 +20,7 @@ def test_bound_score_bounds_the_exact_lse_of_every_node(T, C, g, D, rng):
     head; the torch backend's ``q+ . max + q- . min`` equals the oracle's per-channel max."""
     k = torch.randn(1, T, 1, D, dtype=torch.float64)
     q = torch.randn(5, 3, D, dtype=torch.float64)  # 5 tokens x 3 heads
-    cfg = SelectConfig(block_size=C, branching=g, scorer="bound", scale=D ** -0.5)
+    cfg = per_token_config(block_size=C, branching=g, scorer="bound", scale=D ** -0.5)
     pyr = build_pyramid_torch(k, C, g, bounds=True)
     for lvl in range(2, pyr.n_levels + 1):
         lo, hi = pyr.offsets[lvl - 2], pyr.offsets[lvl - 1]  # the children's level
@@ -60,8 +60,8 @@ def test_needle_behind_a_low_mean(scorer, beam_leaf, found, Qt, rng):
     """The mean walk (beam 1) drops the needle's node at level 2, where its children's means blur
     the needle; a leaf beam over every level-2 node, or the bound, keeps it."""
     q, k = _needle_case()
-    cfg = SelectConfig(block_size=16, topk=4, branching=2, beam=1, scorer=scorer, scale=1.0,
-                       query_tile=Qt, beam_leaf=beam_leaf)  # 1 free slot after 3 forced
+    cfg = per_token_config(block_size=16, topk=4, branching=2, beam=1, scorer=scorer, scale=1.0,
+                           query_tile=Qt, beam_leaf=beam_leaf)  # 1 free slot after 3 forced
     idx, cnt = select_torch(q, k, cfg)
     assert (3 in idx.flatten().tolist()) == found
     assert_same((idx, cnt), naive_select(q, k, cfg), "oracle")
@@ -71,10 +71,11 @@ def test_bound_pyramid_is_built_when_missing(rng):
     """A caller's pyramid without bounds (the decode cache's) is rebuilt with them by the select
     op (``pisa.ops.select.select``); the walk itself refuses one."""
     q, k = torch.randn(1, 40, 4, 16), torch.randn(1, 200, 2, 16)
-    cfg = SelectConfig(block_size=8, topk=5, beam=2, scorer="bound", scale=0.25, query_tile=2)
+    cfg = per_token_config(block_size=8, topk=5, beam=2, scorer="bound", scale=0.25, query_tile=2)
     plain = build_pyramid_torch(k, 8, 2)
     assert plain.mins is None and plain.maxs is None
-    assert_same(select(q, k, cfg, "torch", plain), select_torch(q, k, cfg), "rebuilt")
+    assert_same(select(q, k, cfg=cfg, backend="torch", pyramid=plain), select_torch(q, k, cfg),
+                "rebuilt")
     t_abs = torch.tensor([199])
     with pytest.raises(ValueError, match="bounds=True"):
         walk(q[:, :1].view(1, 1, 2, 2, 16), plain, t_abs, forced_leaves_tensor(t_abs, 8), cfg)

@@ -10,8 +10,7 @@ import torch
 
 from pisa.ops.select import select
 from pisa.ops.select.naive import naive_select
-from pisa.ops.utils.config import SelectConfig
-from tests.ops.conftest import INTERPRET
+from tests.ops.conftest import INTERPRET, per_token_config
 from tests.ops.select.common import assert_same, inputs
 
 pytest.importorskip("triton")
@@ -41,10 +40,10 @@ FLAT_CASES = [
 @pytest.mark.parametrize("case", FLAT_CASES, ids=lambda c: "-".join(map(str, c[:9])))
 def test_flat_select_matches_naive(case):
     selector, in_budget, G, Tk, Tq, C, D, K, HKV, dtype = case
-    cfg = SelectConfig(block_size=C, topk=K, selector=selector, forced_in_budget=in_budget,
-                       scale=D ** -0.5)
+    cfg = per_token_config(block_size=C, topk=K, selector=selector, forced_in_budget=in_budget,
+                           scale=D ** -0.5)
     q, k = inputs(1, Tk, Tq, HKV, G, D, dtype, seed=Tk + K)
-    got = select(q.to(DEVICE), k.to(DEVICE), cfg, "triton")
+    got = select(q.to(DEVICE), k.to(DEVICE), cfg=cfg, backend="triton")
     assert_same(got, naive_select(q, k, cfg), f"{selector} {case}")
 
 
@@ -66,9 +65,9 @@ def test_flat_tile_select_matches_naive(case):
     """Tiles of ``query_tile`` tokens share one flat selection: rows per tile, equal to the
     oracle's for every token reduction."""
     selector, Qt, reduce, G, Tk, Tq, C, D, K, dtype = case
-    cfg = SelectConfig(C, K, 2, K, "lse", selector, True, D ** -0.5, Qt, None, reduce)
+    cfg = per_token_config(C, K, 2, K, "lse", selector, True, D ** -0.5, Qt, None, reduce)
     q, k = inputs(1, Tk, Tq, 2, G, D, dtype, seed=Tk + Qt)
-    got = select(q.to(DEVICE), k.to(DEVICE), cfg, "triton")
+    got = select(q.to(DEVICE), k.to(DEVICE), cfg=cfg, backend="triton")
     assert_same(got, naive_select(q, k, cfg), f"{case}")
 
 
@@ -78,7 +77,7 @@ def test_flat_tile_select_matches_naive(case):
 def test_gpu_flat_select_matches_naive(selector, in_budget):
     C, Tk, Tq, HKV, G, D = 64, 2000, 48, 2, 8, 128
     q, k = inputs(1, Tk, Tq, HKV, G, D, torch.bfloat16, seed=1)
-    cfg = SelectConfig(block_size=C, topk=8, beam=8, selector=selector,
-                       forced_in_budget=in_budget, scale=D ** -0.5)
-    got = select(q.cuda(), k.cuda(), cfg, "triton")
+    cfg = per_token_config(block_size=C, topk=8, beam=8, selector=selector,
+                           forced_in_budget=in_budget, scale=D ** -0.5)
+    got = select(q.cuda(), k.cuda(), cfg=cfg, backend="triton")
     assert_same(got, naive_select(q, k, cfg), f"gpu {selector}")

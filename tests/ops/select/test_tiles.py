@@ -6,8 +6,9 @@ import torch
 from pisa.ops.select import select, tiles_to_tokens
 from pisa.ops.select.naive import naive_select
 from pisa.ops.select.torch_backend import select_torch
-from pisa.ops.utils.config import SelectConfig, check_block_idx_values, n_query_tiles
+from pisa.ops.utils.config import check_block_idx_values, n_query_tiles
 from pisa.ops.utils.geometry import cdiv
+from tests.ops.conftest import per_token_config
 from tests.ops.select.common import assert_same
 
 
@@ -17,7 +18,7 @@ def _qk(B, Tq, Tk, HKV, G, D, dtype=torch.float64):
 
 def _cfg(C, K, g, W, scorer="lse", selector="pyramid", fib=True, D=16, Qt=1, W2=None,
          reduce="sum"):
-    return SelectConfig(C, K, g, W, scorer, selector, fib, D ** -0.5, Qt, W2, reduce)
+    return per_token_config(C, K, g, W, scorer, selector, fib, D ** -0.5, Qt, W2, reduce)
 
 
 CASES = [  # Qt, Tq, Tk, G, D, C, g, W, W2, K, scorer, selector, fib, reduce, dtype
@@ -159,14 +160,14 @@ def test_tiles_to_tokens(rng):
 def test_tiles_through_the_op(rng):
     """The custom op carries the new knobs (torch and naive backends; the fake kernel's shape)."""
     q, k = _qk(1, 30, 90, 2, 2, 16)
-    cfg = SelectConfig(block_size=8, topk=5, beam=2, scorer="bound", scale=0.25, query_tile=4,
-                       beam_leaf=3, tile_reduce="lse")
+    cfg = per_token_config(block_size=8, topk=5, beam=2, scorer="bound", scale=0.25, query_tile=4,
+                           beam_leaf=3, tile_reduce="lse")
     want = naive_select(q, k, cfg)
-    assert_same(select(q, k, cfg, "naive"), want, "naive")
-    assert_same(select(q, k, cfg, "torch"), want, "torch")
+    assert_same(select(q, k, cfg=cfg, backend="naive"), want, "naive")
+    assert_same(select(q, k, cfg=cfg, backend="torch"), want, "torch")
     qm, km = torch.empty(2, 7, 4, 16, device="meta"), torch.empty(2, 30, 2, 16, device="meta")
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-        idx, cnt = select(qm, km, cfg, "torch")
+        idx, cnt = select(qm, km, cfg=cfg, backend="torch")
     assert idx.shape == (2, 3, 2, 5) and cnt.shape == (2, 3, 2)  # positions 23..29: tiles 5..7
 
 

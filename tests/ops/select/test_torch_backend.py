@@ -5,12 +5,12 @@ import torch
 
 from pisa.ops.select.naive import naive_select
 from pisa.ops.select.torch_backend import select_torch
-from pisa.ops.utils.config import SelectConfig
 from pisa.ops.utils.geometry import cdiv
+from tests.ops.conftest import per_token_config
 
 
 def _cfg(C=8, K=6, g=2, W=4, scorer="lse", selector="pyramid", fib=True, D=16):
-    return SelectConfig(C, K, g, W, scorer, selector, fib, D ** -0.5)
+    return per_token_config(C, K, g, W, scorer, selector, fib, D ** -0.5)
 
 
 def _qk(B, Tq, Tk, HKV, G, D, dtype=torch.float64):
@@ -110,7 +110,7 @@ def test_planted_needle(selector, scorer, found, rng):
     """The LSE scorer finds one sharp key far back; mean pooling blurs it (1/C of its logit) and
     prefers a block of uniformly mild keys, which holds ~130x less attention mass."""
     q, k = _needle_case()
-    cfg = SelectConfig(16, 4, 2, 8, scorer, selector, True, 1.0)  # 1 free slot after 3 forced
+    cfg = per_token_config(16, 4, 2, 8, scorer, selector, True, 1.0)  # 1 free slot after 3 forced
     idx, _ = select_torch(q, k, cfg)
     free = [b for b in idx[0, 0, 0].tolist() if b not in (0, 30, 31, -1)]
     assert free == ([3] if found else [20])

@@ -15,9 +15,8 @@ import torch
 
 from pisa.ops.select import select
 from pisa.ops.select.naive import naive_select
-from pisa.ops.utils.config import SelectConfig
 from pisa.ops.utils.geometry import cdiv
-from tests.ops.conftest import INTERPRET
+from tests.ops.conftest import INTERPRET, per_token_config
 from tests.ops.select.common import assert_same, inputs, rows_equal
 
 pytest.importorskip("triton")
@@ -29,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("fast_interpreter", "poison_empty")
 
 
 def _triton(q, k, cfg, pyramid=None):
-    return select(q.to(DEVICE), k.to(DEVICE), cfg, "triton", pyramid)
+    return select(q.to(DEVICE), k.to(DEVICE), cfg=cfg, backend="triton", pyramid=pyramid)
 
 
 # (scorer, branching, beam, forced_in_budget, G, Tk, Tq, C, D, topk, HKV, B, dtype)
@@ -54,8 +53,8 @@ PYRAMID_CASES = [
 @pytest.mark.parametrize("case", PYRAMID_CASES, ids=lambda c: "-".join(map(str, c[:12])))
 def test_pyramid_select_matches_naive(case):
     scorer, g, W, in_budget, G, Tk, Tq, C, D, K, HKV, B, dtype = case
-    cfg = SelectConfig(block_size=C, topk=K, branching=g, beam=W, scorer=scorer,
-                       selector="pyramid", forced_in_budget=in_budget, scale=D ** -0.5)
+    cfg = per_token_config(block_size=C, topk=K, branching=g, beam=W, scorer=scorer,
+                           selector="pyramid", forced_in_budget=in_budget, scale=D ** -0.5)
     q, k = inputs(B, Tk, Tq, HKV, G, D, dtype, seed=Tk + W)
     got = _triton(q, k, cfg)
     assert got[0].shape == (B, Tq, HKV, cfg.slots) and got[0].device.type == DEVICE
@@ -68,7 +67,7 @@ def test_deep_pyramid_and_leaf_chunks(monkeypatch):
     longer prefills have several), whose groups straddle chunk borders: the same selection."""
     C, Tk, Tq, HKV = 4, 1024, 6, 1
     q, k = inputs(1, Tk, Tq, HKV, 2, 16, seed=8)
-    cfg = SelectConfig(block_size=C, topk=5, branching=2, beam=3, selector="pyramid", scale=0.3)
+    cfg = per_token_config(block_size=C, topk=5, branching=2, beam=3, selector="pyramid", scale=0.3)
     want = naive_select(q, k, cfg)
     assert_same(_triton(q, k, cfg), want, "deep pyramid")
     monkeypatch.setattr(select_triton, "_KCFG",
@@ -83,10 +82,10 @@ def test_wide_beam_equals_flat(scorer):
     flat kernel directly."""
     Tk, Tq, C, g = 110, 16, 4, 2
     q, k = inputs(1, Tk, Tq, 2, 4, 16, seed=3)
-    flat = _triton(q, k, SelectConfig(block_size=C, topk=7, selector="flat_lse", scale=0.25))
+    flat = _triton(q, k, per_token_config(block_size=C, topk=7, selector="flat_lse", scale=0.25))
     for W in (cdiv(cdiv(Tk, C), g), cdiv(Tk, C)):
-        cfg = SelectConfig(block_size=C, topk=7, branching=g, beam=W, scorer=scorer,
-                           selector="pyramid", scale=0.25)
+        cfg = per_token_config(block_size=C, topk=7, branching=g, beam=W, scorer=scorer,
+                               selector="pyramid", scale=0.25)
         pyr = _triton(q, k, cfg)
         if scorer == "lse":
             assert_same(pyr, flat, f"beam={W} vs flat_lse")
@@ -98,7 +97,7 @@ def test_beam_too_wide_for_the_kernel():
     """Refused before any work: W = 300 needs 1024-wide candidate tiles, and the 1000 level-3
     nodes of 16000 keys at C = 4 do not cap it."""
     q, k = inputs(1, 4 * 4000, 1, 1, 1, 16)
-    cfg = SelectConfig(block_size=4, topk=4, branching=2, beam=300, scale=0.25)
+    cfg = per_token_config(block_size=4, topk=4, branching=2, beam=300, scale=0.25)
     with pytest.raises(ValueError, match="too wide"):
         _triton(q, k, cfg)
 
@@ -120,8 +119,8 @@ def gpu(test):
 def test_gpu_select_matches_naive(scorer, g, in_budget, dtype):
     C, Tk, Tq, HKV, G, D = 64, 2000, 48, 2, 8, 128
     q, k = inputs(1, Tk, Tq, HKV, G, D, dtype, seed=1)
-    cfg = SelectConfig(block_size=C, topk=8, branching=g, beam=8, scorer=scorer,
-                       selector="pyramid", forced_in_budget=in_budget, scale=D ** -0.5)
+    cfg = per_token_config(block_size=C, topk=8, branching=g, beam=8, scorer=scorer,
+                           selector="pyramid", forced_in_budget=in_budget, scale=D ** -0.5)
     assert_same(_triton(q, k, cfg), naive_select(q, k, cfg), f"gpu {scorer} g={g} {dtype}")
 
 
@@ -136,12 +135,12 @@ def test_gpu_selection_at_16k_matches_fp32_torch_and_the_oracle():
     gen = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(1, T, HQ, D, device="cuda", generator=gen, dtype=torch.bfloat16)
     k = torch.randn(1, T, HKV, D, device="cuda", generator=gen, dtype=torch.bfloat16)
-    cfg = SelectConfig(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
-    idx, cnt = select(q, k, cfg, "triton")
+    cfg = per_token_config(block_size=64, topk=16, branching=2, beam=16, scale=D ** -0.5)
+    idx, cnt = select(q, k, cfg=cfg, backend="triton")
     assert bool((cnt == torch.clamp(torch.arange(T, device="cuda") // 64 + 1, max=16)[
         None, :, None]).all()), "every budget filled"
     for end in (3000, 9000, T):
-        want = select(q[:, end - rows:end].float(), k[:, :end].float(), cfg, "torch")
+        want = select(q[:, end - rows:end].float(), k[:, :end].float(), cfg=cfg, backend="torch")
         got = idx[:, end - rows:end], cnt[:, end - rows:end]
         assert torch.equal(got[1], want[1])
         same = rows_equal(got, want)

@@ -16,8 +16,8 @@ import torch
 from pisa.ops.pyramid.torch_backend import build_pyramid_torch
 from pisa.ops.select import select
 from pisa.ops.select.naive import naive_select
-from pisa.ops.utils.config import SelectConfig, n_query_tiles
-from tests.ops.conftest import INTERPRET
+from pisa.ops.utils.config import n_query_tiles
+from tests.ops.conftest import INTERPRET, per_token_config
 from tests.ops.select.common import assert_same, inputs, rows_equal
 
 pytest.importorskip("triton")
@@ -32,12 +32,12 @@ F16, F32 = torch.float16, torch.float32
 
 
 def _triton(q, k, cfg, pyramid=None):
-    return select(q.to(DEVICE), k.to(DEVICE), cfg, "triton", pyramid)
+    return select(q.to(DEVICE), k.to(DEVICE), cfg=cfg, backend="triton", pyramid=pyramid)
 
 
 def _cfg(C, K, g, W, W2=None, scorer="lse", Qt=1, reduce="sum", fib=True, D=16,
          selector="pyramid"):
-    return SelectConfig(C, K, g, W, scorer, selector, fib, D ** -0.5, Qt, W2, reduce)
+    return per_token_config(C, K, g, W, scorer, selector, fib, D ** -0.5, Qt, W2, reduce)
 
 
 # Qt, Tq, Tk, G, D, C, g, W, W2, K, scorer, reduce, forced_in_budget, HKV, dtype. Tq < Tk puts
@@ -146,9 +146,9 @@ def test_gpu_tile_selection_matches_fp32_torch(scorer, reduce, W2, selector):
     gen = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(1, T, HQ, D, device="cuda", generator=gen, dtype=torch.bfloat16)
     k = torch.randn(1, T, HKV, D, device="cuda", generator=gen, dtype=torch.bfloat16)
-    cfg = SelectConfig(64, 16, 2, 16, scorer, selector, True, D ** -0.5, Qt, W2, reduce)
-    got = select(q, k, cfg, "triton")
-    want = select(q.float(), k.float(), cfg, "torch")
+    cfg = per_token_config(64, 16, 2, 16, scorer, selector, True, D ** -0.5, Qt, W2, reduce)
+    got = select(q, k, cfg=cfg, backend="triton")
+    want = select(q.float(), k.float(), cfg=cfg, backend="torch")
     assert got[0].shape == want[0].shape == (1, T // Qt, HKV, 16)
     assert torch.equal(got[1], want[1]), "counts"
     same = rows_equal(got, want)
@@ -160,15 +160,15 @@ def test_gpu_tile_lengths_compile_nothing(rng):
     """Lengths are runtime values in the tile selection kernels too: after one call per
     configuration, other lengths and query offsets compile no new variant."""
     from pisa.bench import triton_variants
-    cfgs = [SelectConfig(64, 16, 2, 16, s, "pyramid", True, 0.125, 16, W2, r)
+    cfgs = [per_token_config(64, 16, 2, 16, s, "pyramid", True, 0.125, 16, W2, r)
             for s, W2, r in (("lse", 32, "qmean"), ("bound", None, "sum"))]
-    cfgs.append(SelectConfig(64, 16, 2, 16, "lse", "flat_lse", True, 0.125, 16, None, "qmean"))
+    cfgs.append(per_token_config(64, 16, 2, 16, "lse", "flat_lse", True, 0.125, 16, None, "qmean"))
 
     def call(Tq, Tk):
         q = torch.randn(2, Tq, 16, 128, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(2, Tk, 4, 128, device="cuda", dtype=torch.bfloat16)
         for cfg in cfgs:
-            select(q, k, cfg, "triton")
+            select(q, k, cfg=cfg, backend="triton")
         torch.cuda.synchronize()
 
     call(4096, 4096)

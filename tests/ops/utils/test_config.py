@@ -5,9 +5,10 @@ import re
 import pytest
 import torch
 
-from pisa.ops.utils.config import (AUTO_CROSSOVER_T, BLOCK_SIZES, MAX_FORCED, SelectConfig,
-                                   check_block_idx, check_block_idx_values, check_geometry,
-                                   grown_beams, pruned_levels, resolve_backend, resolve_config)
+from pisa.ops.utils.config import (AUTO_CROSSOVER_T, BLOCK_SIZES, DECODE_DEFAULTS, KNOBS,
+                                   MAX_FORCED, SelectConfig, check_block_idx,
+                                   check_block_idx_values, check_geometry, grown_beams,
+                                   pruned_levels, resolve_backend, resolve_config)
 
 
 def _qk(T=64, D=16):
@@ -19,7 +20,30 @@ def test_slots_and_free_budget():
     assert inside.slots == 6 and [inside.free_budget(f) for f in (1, 2, 3)] == [5, 4, 3]
     on_top = SelectConfig(topk=6, forced_in_budget=False)
     assert on_top.slots == 6 + MAX_FORCED and on_top.free_budget(3) == 6
-    assert SelectConfig(*inside.astuple()) == inside
+    assert SelectConfig(**inside.op_kwargs()) == inside
+
+
+def test_one_set_of_defaults():
+    """Every entry point's knob defaults are ``SelectConfig``'s (``scale`` None: the head dim's;
+    ``beam_ref_len`` None), decode's with ``DECODE_DEFAULTS`` on top; ``check_knobs`` and
+    ``resolve_config`` default to the same."""
+    import inspect
+
+    import pisa
+    from pisa.distributed import pisa_attn_cp, pisa_select_cp
+    from pisa.ops.utils.config import check_knobs
+    want = {**SelectConfig().op_kwargs(), "beam": None, "query_tile": None, "scale": None,
+            "beam_ref_len": None}
+    for fn in (pisa.pisa_select, pisa.pisa_attn, pisa.pisa_select_varlen, pisa.pisa_attn_varlen,
+               pisa_select_cp, pisa_attn_cp, check_knobs):
+        params = inspect.signature(fn).parameters
+        assert {n: params[n].default for n in KNOBS} == want, fn.__name__
+    params = inspect.signature(pisa.pisa_attn_with_kvcache).parameters
+    decode = {n: params[n].default for n in KNOBS if n not in ("block_size", "branching")}
+    assert decode == {n: v for n, v in {**want, **DECODE_DEFAULTS}.items()
+                      if n not in ("block_size", "branching")}
+    q, k = _qk(D=64)
+    assert resolve_config(q, k, "torch") == SelectConfig()
 
 
 def test_resolve_fills_defaults():
@@ -216,19 +240,19 @@ def test_check_qk_rejects_zero_heads_and_head_dims(q_shape, k_shape, msg):
 
 
 def test_v2_knobs_resolve_and_round_trip():
-    """``query_tile``, ``beam_leaf`` and ``tile_reduce`` pass through ``resolve_config`` (after the
-    v1 fields, so ``SelectConfig(*cfg.astuple())`` still rebuilds it); ``beam_leaf=None`` means
-    ``beam`` at every level."""
+    """``query_tile``, ``beam_leaf`` and ``tile_reduce`` pass through ``resolve_config`` (and
+    ``SelectConfig(**cfg.op_kwargs())`` rebuilds it); ``beam_leaf=None`` means ``beam`` at every
+    level."""
     q, k = _qk()
     cfg = resolve_config(q, k, "torch", topk=5, scorer="bound", query_tile=16, beam_leaf=9,
                          tile_reduce="lse")
     assert (cfg.query_tile, cfg.beam_leaf, cfg.tile_reduce, cfg.scorer) == (16, 9, "lse", "bound")
-    assert SelectConfig(*cfg.astuple()) == cfg
+    assert SelectConfig(**cfg.op_kwargs()) == cfg
     assert [cfg.beam_at(lvl) for lvl in (2, 3, 4)] == [9, 5, 5]
-    plain = resolve_config(q, k, "torch", topk=5)
+    plain = resolve_config(q, k, "torch", topk=5, **DECODE_DEFAULTS)
     assert (plain.query_tile, plain.beam_leaf, plain.tile_reduce) == (1, None, "sum")
     assert [plain.beam_at(lvl) for lvl in (2, 3)] == [5, 5]
-    assert SelectConfig(beam=7).beam_at(2) == 7
+    assert SelectConfig(beam=7, beam_leaf=None).beam_at(2) == 7
 
 
 def test_leaf_scorer():
