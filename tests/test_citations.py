@@ -141,7 +141,8 @@ RESOLVE = {"path": path_exists, "relative": relative_exists, "name": name_exists
 # only these, only there, and each must really be gone (else the entry is stale).
 REMOVED = {"docs/history.md": {
     "pisa/ops/select_triton.py", "pisa/ops/attn_triton.py", "pisa/ops/decode_triton.py",
-    "pisa/ops/utils.py", "select_triton.py", "benchmarks/levers_h200.py", "tests/test_gpu.py",
+    "pisa/ops/utils.py", "select_triton.py", "attn_triton.py", "decode_triton.py", "utils.py",
+    "levers_h200.py", "benchmarks/levers_h200.py", "tests/test_gpu.py",
     "tests/ops/test_attn_triton.py", "tests/ops/test_select_triton.py"}}
 
 
