@@ -188,36 +188,30 @@ def test_stem_steps_end_where_the_first_run_turns_sparse():
 
 def test_launcher_trains_the_shared_start_once_per_seed(site, tmp_path):
     """``--steps`` fixed: one dense stem per seed trains the dense start, every run of that
-    seed resumes it; the merged result says so (``meta.stems``, each run's ``stem``)."""
-    out, work = tmp_path / "out", tmp_path / "work"
+    seed resumes it; the merged result says so (``meta.stems``, each run's ``stem``). A second
+    launch with the same settings and ``--stem-dir`` reuses the saved stem."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, str(SCRIPT), "--launch", "--out", str(out), "--work", str(work),
-           "--arms", "dense", "pisa:16", "--warmup-arms", "--seeds", "0", "--sweep",
-           "--steps", "4", "--site", str(site), "--time-budget", "100", "--eval-reserve", "30",
-           "--merge-reserve", "5"] + TINY + ["--curriculum", "256:0.5"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    meta = json.loads((out / "quality_trained.json").read_text())["meta"]
+    stems = tmp_path / "stems"
+    metas, rows = [], []
+    for i in range(2):
+        out = tmp_path / f"o{i}"
+        cmd = [sys.executable, str(SCRIPT), "--launch", "--out", str(out), "--work",
+               str(tmp_path / f"w{i}"), "--stem-dir", str(stems), "--arms", "dense", "pisa:16",
+               "--warmup-arms", "--seeds", "0", "--sweep", "--steps", "4", "--site", str(site),
+               "--time-budget", "100", "--eval-reserve", "30", "--merge-reserve", "5"] \
+            + TINY + ["--curriculum", "256:0.5"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        result = json.loads((out / "quality_trained.json").read_text())
+        metas.append(result["meta"])
+        rows.append(result["rows"])
+    meta = metas[0]
     assert [(s["name"], s["status"], s["steps"]) for s in meta["stems"]] == \
         [("stem_s0", "stem saved", 2)]
     for run in meta["runs"]:
         assert run["status"] == "done" and run["steps"] == 4 and run["stem"]["steps"] == 2
     assert meta["config"]["share_start"] is True
-    # a second launch with the same settings and --stem-dir reuses the saved stem
-    stems = tmp_path / "stems"
-    for i in range(2):
-        proc = subprocess.run(cmd[:-len(TINY) - 2] + ["--stem-dir", str(stems), "--work",
-                                                      str(tmp_path / f"w{i}"), "--out",
-                                                      str(tmp_path / f"o{i}")]
-                              + TINY + ["--curriculum", "256:0.5"],
-                              capture_output=True, text=True, env=env, timeout=150)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    metas = [json.loads((tmp_path / f"o{i}" / "quality_trained.json").read_text())["meta"]
-             for i in range(2)]
-    assert metas[0]["stems"][0]["status"] == "stem saved"
     assert metas[1]["stems"][0]["status"] == f"reused {stems / 'stem_s0.pt'}"
-    rows = [json.loads((tmp_path / f"o{i}" / "quality_trained.json").read_text())["rows"]
-            for i in range(2)]
     assert rows[0] == rows[1]  # CPU: the reused stem gives the same runs
 
 
