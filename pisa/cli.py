@@ -18,9 +18,10 @@ from .ops.utils.config import SCORERS, SELECTORS, TILE_REDUCES, check_knobs, res
 from .results import default_device, write_result
 from .version import __version__
 
-# Lengths where the pyramid prunes with the default knobs (C=64, g=2, W=K=16, W2=32: from 8K
-# keys on; at 16K three levels), so its selection differs from flat_lse's (on CPU the 16K row
-# takes about two of the run's minutes); on CUDA up to 128K, the flat scan timed up to there too.
+# Lengths where the pyramid prunes with the default knobs (C=64, g=2, W=K=16, W2=32: two levels
+# at 8K, three at 16K; none at 4K), so its selection differs from flat_lse's. The CPU run takes
+# about 4 minutes on an idle 2-core box (docs/results_cpu.md); on CUDA up to 128K, the flat scan
+# timed up to there too.
 CPU_DEFAULTS = dict(lengths=[8192, 16384], heads=8, kv_heads=2, head_dim=64,
                     dtype="float32", quality_max=16384, backward=False)
 CUDA_DEFAULTS = dict(lengths=[32768, 65536, 131072], heads=64, kv_heads=4,
