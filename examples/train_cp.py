@@ -18,10 +18,10 @@ On CPU (gloo) the script spawns its ranks itself; under ``torchrun`` it joins th
     python examples/train_cp.py                         # 2 ranks: cp = 2, ~1.5 min on CPU
     python examples/train_cp.py --nproc 4 --cp 2        # dp = 2 x cp = 2
     torchrun --nproc_per_node 2 examples/train_cp.py
-    torchrun --nproc_per_node 8 examples/train_cp.py --device cuda --cp 8 --seqlen 8192  # not yet run on GPUs
+    torchrun --nproc_per_node 8 examples/train_cp.py --device cuda --cp 8 --seqlen 8192  # GPUs
 
 Options as in ``train.py`` (PISA only: context parallelism has no dense path; ``--device cuda``
-runs NCCL, one GPU a rank) plus ``--cp`` and ``--nproc``.
+runs NCCL, one GPU a rank, not yet tried) plus ``--cp`` and ``--nproc``.
 """
 from __future__ import annotations
 
