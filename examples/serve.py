@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=4, help="K (default 4)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the "
+                   "matrices are tiny, and extra threads spin on a busy machine)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     args = p.parse_args(argv)
     if args.prompt <= args.topk * args.block_size:
@@ -114,6 +116,7 @@ def hf_level(args) -> dict | None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     print(f"device {args.device}; block_size {args.block_size}, topk {args.topk}")
     err = kernel_level(args)

@@ -22,7 +22,8 @@ lr 3e-3): the loss falls below half of chance (2.08) at step 64 / 65 / 64 (seeds
 with PISA and at step 58 / 59 / 59 with ``--attn dense``; both reach accuracy 1.00 by step
 ~80-100. With ``--topk 4`` (one selected block) PISA gets there at step 84 and levels off near
 accuracy 0.97 (the best head's ``found`` stays at 0.61: a tile of 16 queries needs two source
-blocks, so heads share the work). About a minute of CPU time for the 150 steps (dense: 25 s).
+blocks, so heads share the work). The 150 steps take about a minute on one CPU thread (dense:
+25 s).
 
 What it does not show: retrieval the selection never stumbles on. A copy at distance ``T / 2``
 (what ``train_cp.py`` once trained) stays at chance with PISA for hundreds of steps while dense
@@ -78,6 +79,7 @@ class TinyGPT(nn.Module):
     def __init__(self, vocab: int, width: int = 64, depth: int = 2, heads: int = 4,
                  attn: str = "pisa", cp_group=None, **pisa_knobs):
         super().__init__()
+        self.pisa_knobs = pisa_knobs
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Block(width, heads, attn, cp_group, **pisa_knobs)
                                     for _ in range(depth))
@@ -108,11 +110,11 @@ def found_rate(model: TinyGPT, ids: torch.Tensor, period: int) -> float:
     selection its ``pisa_attn`` runs; forced blocks count), maximised over layers and heads."""
     T = ids.shape[1]
     t = torch.arange(period - 1, T, device=ids.device)
-    source = (t + 1 - period) // model.blocks[0].attn.pisa_kwargs["block_size"]
+    source = (t + 1 - period) // model.pisa_knobs["block_size"]
     best, x = 0.0, model.embed(ids)
     for block in model.blocks:
         q, k, _ = block.attn.qkv(block.attn_norm(x))
-        block_idx, _ = pisa.pisa_select(q, k, **block.attn.pisa_kwargs)  # [B, tiles, HKV, topk]
+        block_idx, _ = pisa.pisa_select(q, k, **model.pisa_knobs)  # [B, tiles, HKV, topk]
         per_token = block_idx.repeat_interleave(T // block_idx.shape[1], dim=1)[:, t]
         hit = (per_token == source[None, :, None, None]).any(-1)  # [B, tokens, HKV]
         best = max(best, hit.float().mean((0, 1)).max().item())
@@ -140,6 +142,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (torch backend) or cuda (Triton kernels; C >= 16)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the "
+                   "matrices are tiny, and extra threads spin on a busy machine)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     return p
 
@@ -172,12 +176,14 @@ def learned_at(losses: list[float], chance: float) -> int | None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     model = build(args).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)
     chance = math.log(args.vocab)
-    print(f"{args.attn}: {model.blocks[0].attn.pisa_kwargs}, T={args.seqlen}, P={args.period}; "
-          f"chance: loss {chance:.3f}, accuracy {1 / args.vocab:.3f}", flush=True)
+    knobs = f" {model.pisa_knobs}" if args.attn == "pisa" else ""
+    print(f"{args.attn}{knobs}: T={args.seqlen}, P={args.period}; chance: loss {chance:.3f}, "
+          f"accuracy {1 / args.vocab:.3f}", flush=True)
     losses, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         ids, copied = repeat_batch(args.batch, args.seqlen, args.period, args.vocab, gen)

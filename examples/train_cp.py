@@ -72,6 +72,7 @@ def cp_groups(cp: int):
 def run(args) -> None:
     """One rank's training, in an initialised process group."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(args.threads)  # a rank
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
