@@ -1,109 +1,158 @@
-"""Train a small GPT (``pisa.eval.gpt``) with its sequence split over ranks (context parallelism,
-``pisa.distributed``) and data parallelism (DDP) over the rest of the world.
+"""Train ``train.py``'s model and task with the sequence split over ranks (context parallelism,
+``pisa.distributed``) and data parallelism (DDP) over the rest of the world; the loss follows
+single-process ``train.py`` at the same seed (``--batch`` there = ``dp x --batch`` here).
 
-The world of ``W`` ranks is a ``dp x cp`` grid: ranks ``[i * cp, (i + 1) * cp)`` share one
-sequence (a context-parallel group, each holding a zigzag shard of it) and the ``dp = W / cp``
-groups see different sequences. DDP all-reduces every parameter's gradient over the whole world:
-a context-parallel rank's gradient is that of its shard's tokens, so the world mean is the mean
-over all tokens of all sequences (shards of equal length). The context-parallel collectives run
-on their own process groups, beside DDP's.
+The world of ``W`` ranks is a ``dp x cp`` grid: ranks ``[i * cp, (i + 1) * cp)`` share a
+sequence (a context-parallel group, each rank holding a zigzag shard of it: ``pisa.distributed.
+shard``), and the ``dp = W / cp`` groups see different sequences. Every ``PisaAttention`` gets
+the group (``cp_group=``) and runs ``pisa_attn_cp``: the same selection and attention as one
+process over the whole sequence, its collectives on the group's own communicator beside DDP's.
 
-The task is a copy: a random first half, then the same tokens again, so the second half's
-next-token loss falls only when attention reaches back half a sequence (through the selected
-blocks). Tiny on CPU with gloo:
+DDP averages every parameter's gradient over the world, and a rank's gradient is that of its own
+tokens. So each rank's loss is its tokens' summed loss over the global token count, times
+``W``: the average is then the gradient of the global mean. A per-rank mean would weigh the
+shards unequally (the zigzag shard holding the sequence's start has fewer copied tokens).
 
-    torchrun --nproc_per_node 2 examples/train_cp.py --steps 30
-    torchrun --nproc_per_node 4 examples/train_cp.py --cp 2     # dp = 2 x cp = 2
+On CPU (gloo) the script spawns its ranks itself; under ``torchrun`` it joins the launcher's:
 
-On GPUs (NCCL, one GPU a rank): ``--device cuda --seqlen 65536 --width 512 ...``.
+    python examples/train_cp.py                         # 2 ranks: cp = 2, ~1.5 min on CPU
+    python examples/train_cp.py --nproc 4 --cp 2        # dp = 2 x cp = 2
+    torchrun --nproc_per_node 2 examples/train_cp.py
+    torchrun --nproc_per_node 8 examples/train_cp.py --device cuda --cp 8 --seqlen 8192  # GPUs
+
+Options as in ``train.py`` (PISA only: context parallelism has no dense path; ``--device cuda``
+runs NCCL, one GPU a rank, not yet tried) plus ``--cp`` and ``--nproc``.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # an uninstalled checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train.py beside this file
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # an uninstalled checkout
 
+import train  # noqa: E402
 from pisa.distributed import comm_bytes, reset_comm_bytes, shard  # noqa: E402
-from pisa.eval.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
+                                parents=[train.parser()])
     p.add_argument("--cp", type=int, default=2, help="ranks a sequence is split over (default 2)")
-    p.add_argument("--seqlen", type=int, default=512, help="tokens a sequence (default 512)")
-    p.add_argument("--batch", type=int, default=2, help="sequences a data-parallel rank")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=16, help="C (default 16)")
-    p.add_argument("--topk", type=int, default=4, help="K (default 4)")
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    return p.parse_args(argv)
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks to spawn when not under torchrun (default 2)")
+    args = train.checked(p, p.parse_args(argv))
+    if args.attn != "pisa":
+        p.error("context parallelism runs PISA only (--attn pisa)")
+    return args
 
 
-def copy_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
-    """``[batch, seqlen + 1]`` ids: a random half, then the same half again."""
-    half = torch.randint(0, vocab, (batch, (seqlen + 2) // 2), generator=gen)
-    return torch.cat([half, half], dim=1)[:, :seqlen + 1]
+def cp_groups(cp: int):
+    """This rank's data-parallel index and its context-parallel group. Every rank creates every
+    group, in the same order (``new_group`` is collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % cp:
+        raise SystemExit(f"the world ({world} ranks) must be a multiple of --cp {cp}")
+    groups = [dist.new_group(list(range(i * cp, (i + 1) * cp))) for i in range(world // cp)]
+    return rank // cp, groups[rank // cp]
+
+
+def run(args) -> None:
+    """One rank's training, in an initialised process group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(args.threads)  # a rank
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    dp_index, group = cp_groups(args.cp)
+    dp = world // args.cp
+    model = DDP(train.build(args, cp_group=group).to(device),
+                device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed + 1)  # train.py's stream, on every rank
+    cut = dict(group=group, block_size=args.block_size)
+    chance = math.log(args.vocab)
+    if rank == 0:
+        print(f"world {world} = dp {dp} x cp {args.cp}; T={args.seqlen}, P={args.period}; "
+              f"chance: loss {chance:.3f}, accuracy {1 / args.vocab:.3f}", flush=True)
+    losses, start = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        # the global batch of dp x batch sequences; this group's rows; this rank's shard
+        ids, copied = train.repeat_batch(dp * args.batch, args.seqlen, args.period, args.vocab,
+                                         gen)
+        ids = ids[dp_index * args.batch:(dp_index + 1) * args.batch].to(device)
+        inputs, targets = shard(ids[:, :-1], **cut), shard(ids[:, 1:], **cut)
+        mask = shard(copied[None].to(device), **cut)[0]
+        reset_comm_bytes()
+        logits = model(inputs)[:, mask]
+        targets = targets[:, mask]
+        tok_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        stats = torch.stack([tok_loss.detach(), (logits.argmax(-1) == targets).sum().float(),
+                             torch.tensor(float(targets.numel()), device=device)])
+        dist.all_reduce(stats)  # summed loss, correct tokens, tokens: over the world
+        loss = tok_loss * world / stats[2]  # DDP's mean of these is the global mean's gradient
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(stats[0] / stats[2]))
+        if rank == 0 and (step == 1 or step % args.log_every == 0 or step == args.steps):
+            print(f"step {step:4d}  loss {losses[-1]:.3f}  accuracy "
+                  f"{float(stats[1] / stats[2]):.3f}  bytes sent by rank 0 "
+                  f"{comm_bytes()['total']:,}  {time.perf_counter() - start:5.1f} s", flush=True)
+    if rank == 0:
+        result = {"example": "train_cp", "world": world, "cp": args.cp, "seed": args.seed,
+                  "steps": args.steps, "chance": chance,
+                  "learned_at": train.learned_at(losses, chance),
+                  "final_loss": sum(losses[-5:]) / len(losses[-5:]),
+                  "final_accuracy": float(stats[1] / stats[2]), "losses": losses,
+                  "seconds": time.perf_counter() - start}
+        print(f"loss below half of chance ({chance / 2:.3f}) from step {result['learned_at']}",
+              flush=True)
+        if args.json:
+            print(json.dumps(result), flush=True)
+
+
+def spawned(rank: int, world: int, port: int, args) -> None:
+    """A rank started by ``mp.spawn``: joins the gloo group on this host."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world % args.cp:
-        sys.exit(f"the world ({world} ranks) must be a multiple of --cp {args.cp}")
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dp_index, cp_rank = divmod(rank, args.cp)
-    cp_group = None
-    for i in range(world // args.cp):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(i * args.cp, (i + 1) * args.cp)))
-        if i == dp_index:
-            cp_group = group
-    torch.manual_seed(0)  # DDP broadcasts rank 0's weights anyway
-    cfg = GPTConfig(vocab_size=args.vocab, width=args.width, depth=args.depth, heads=4,
-                    kv_heads=2, mlp_hidden=2 * args.width, arm="pisa", topk=args.topk,
-                    block_size=args.block_size)
-    model = GPT(cfg).to(device)
-    model.set_context_parallel(cp_group)
-    model = DDP(model, device_ids=[device.index] if cuda else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(1000 + dp_index)  # one stream a sequence group
-    cut = dict(group=cp_group, block_size=args.block_size)
-    half = args.seqlen // 2
-    for step in range(args.steps):
-        ids = copy_batch(args.batch, args.seqlen, args.vocab, gen).to(device)
-        inputs, targets = shard(ids[:, :-1], **cut), shard(ids[:, 1:], **cut)
-        second = shard(torch.arange(args.seqlen, device=device)[None] >= half, **cut)
-        reset_comm_bytes()
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        with torch.no_grad():  # the copied half's loss, over the whole world
-            tok = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-            stats = torch.stack([loss.detach(), (tok * second.flatten().repeat(args.batch)).sum(),
-                                 second.sum() * args.batch * 1.0])
-            dist.all_reduce(stats)
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {float(stats[0]) / world:.3f}  copied half "
-                  f"{float(stats[1] / stats[2]):.3f}  cp bytes sent by rank 0 "
-                  f"{comm_bytes()['total']:,}", flush=True)
-    dist.destroy_process_group()
+    if "RANK" in os.environ:  # torchrun set up the world
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        try:
+            run(args)
+        finally:
+            dist.destroy_process_group()
+    elif args.device == "cuda":
+        sys.exit("--device cuda: launch with torchrun (one process a GPU)")
+    else:
+        mp.spawn(spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc)
 
 
 if __name__ == "__main__":
