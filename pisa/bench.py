@@ -336,7 +336,7 @@ TIMING_COLUMNS = (
     ("dense fwd+bwd", ("fwdbwd", "dense")), ("pisa decode", ("decode", "pisa")),
     ("dense decode", ("decode", "dense")),
 )
-# (header, impl of the selection row, field) of each quality column after T, W / W2
+# (header, impl of the selection row, field, format) of each quality column after T, W / W2
 QUALITY_COLUMNS = (
     ("levels pruned", "pyramid", "levels_pruned", "d"),
     ("pyr != flse rows", "pyramid", "differ_share", ".3f"),
@@ -376,7 +376,7 @@ def format_table(result: dict) -> str:
     return f"{times}\n\n{quality}"
 
 
-# (knob, its symbol in the rows, what None resolves to)
+# The symbol of a knob in the rows, which hold its resolved value
 _KNOB_LABELS = {"block_size": "C", "topk": "K", "branching": "g", "beam": "W",
                 "beam_leaf": "W2", "query_tile": "Qt"}
 
@@ -392,7 +392,9 @@ def format_header(result: dict) -> str:
     for name, value in m["knobs"].items():
         symbol = _KNOB_LABELS.get(name)
         text = f"{name} {symbol}={value}" if symbol else f"{name}={value}"
-        if symbol and value is None and symbol in first:
+        if name in ("beam", "beam_leaf") and m["knobs"].get("beam_ref_len") is not None:
+            text += " (grown per length: the W / W2 column)"
+        elif symbol and value is None and symbol in first:
             text += f" (-> {first[symbol]})"
         knobs.append(text)
     return "\n".join([
