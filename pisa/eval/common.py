@@ -61,7 +61,8 @@ def parse_arm(text: str, custom_base: str = "pisa") -> Arm:
 
     ``name`` of ``ARMS`` (``pisa``, ``pisa_qt1``, ``flat_mean``, ``flat_lse``) starts from that
     arm's knobs and the arm is called by the whole text (``pisa:beam=32``); any other name is a
-    label (the arm's name) starting from ``custom_base``'s knobs. ``dense`` takes no knobs. Raises ``ValueError("argument --arms: ...")`` for a malformed spec or an unknown knob.
+    label (the arm's name) starting from ``custom_base``'s knobs. ``dense`` takes no knobs.
+    Raises ``ValueError("argument --arms: ...")`` for a malformed spec or an unknown knob.
     """
     name, _, spec = text.partition(":")
     if not name:
@@ -174,11 +175,15 @@ def run_knobs(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-def check_model_arguments(args: argparse.Namespace, custom_base: str = "pisa") -> None:
-    """``--model`` (a directory or GGUF file that exists; the default needs the wheel) and
-    ``--arms`` (``parse_arms`` on top of the run's knobs): ``ValueError("argument ...")``."""
+def check_common_arguments(args: argparse.Namespace, custom_base: str = "pisa") -> None:
+    """The flags tasks share, where a task has them: ``--model`` (a directory or GGUF file that
+    exists; the default needs the wheel), ``--depths`` (in [0, 1]) and ``--arms``
+    (``parse_arms`` on top of the run's knobs): ``ValueError("argument ...")``."""
     if args.model is not None:
         model_path(args.model)
+    depths = getattr(args, "depths", None) or []
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ValueError(f"argument --depths: every depth must be in [0, 1], got {depths}")
     if getattr(args, "arms", None) is not None:
         parse_arms(args.arms, run_knobs(args), custom_base)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..ops.utils.config import SelectConfig
-from .common import add_arm_arguments, add_model_arguments, check_model_arguments
+from .common import add_arm_arguments, add_model_arguments, check_common_arguments
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
@@ -209,13 +209,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     """The flags of this task the shared checks (``pisa.cli.check_flags``) leave:
     ``ValueError("argument --flag: ...")``."""
-    if any(not 0 <= d <= 1 for d in args.depths):
-        raise ValueError(f"argument --depths: every depth must be in [0, 1], got {args.depths}")
     if args.new_tokens < 1:
         raise ValueError(f"argument --new-tokens: must be >= 1, got {args.new_tokens}")
     if not 1 <= args.keys <= len(DOORS):
         raise ValueError(f"argument --keys: must be in [1, {len(DOORS)}], got {args.keys}")
-    check_model_arguments(args)
+    check_common_arguments(args)
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .common import (DEFAULT_ARMS, add_arm_arguments, add_model_arguments, check_model_arguments,
-                     eval_row, parse_arms, run_knobs, warn_past_context)
+from .common import (DEFAULT_ARMS, add_arm_arguments, add_model_arguments,
+                     check_common_arguments, eval_row, parse_arms, run_knobs, warn_past_context)
 
 LM_CHUNK = 1024  # positions per lm_head call: the full [T, vocab] logits would be GBs at 8K
 
@@ -139,7 +139,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"argument --buckets: must be >= 1, got {args.buckets}")
     if any(T < 2 for T in args.lengths):
         raise ValueError(f"argument --lengths: a document needs >= 2 tokens, got {args.lengths}")
-    check_model_arguments(args)
+    check_common_arguments(args)
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:

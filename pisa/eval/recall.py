@@ -26,7 +26,7 @@ from ..ops.utils.geometry import cdiv
 # The knobs every selector and arm starts from: the per-token walk (``pisa_select`` defaults to
 # 16-token tiles since selection v2; the beam sweep and the recorded arms, e.g. ``qt1_w16:beam=16``
 # in ``benchmarks/results/quality_recall_v2.json``, are on top of the per-token knobs).
-from .common import add_model_arguments, check_model_arguments, parse_arms
+from .common import add_model_arguments, check_common_arguments, parse_arms
 from .gpt import PER_TOKEN
 from .metrics import SelectionScorer
 
@@ -293,7 +293,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"argument --target: must be in (0, 1], got {args.target}")
     if args.arms and "dense" in args.arms:
         raise ValueError("argument --arms: recall scores selections; dense selects nothing")
-    check_model_arguments(args, custom_base=CUSTOM_BASE)
+    check_common_arguments(args, custom_base=CUSTOM_BASE)
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:

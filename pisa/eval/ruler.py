@@ -54,8 +54,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .common import (DEFAULT_ARMS, add_arm_arguments, add_model_arguments, check_model_arguments,
-                     eval_row, parse_arms, run_knobs, warn_past_context)
+from .common import (DEFAULT_ARMS, add_arm_arguments, add_model_arguments,
+                     check_common_arguments, eval_row, parse_arms, run_knobs, warn_past_context)
 from .passkey import FILLER
 
 NEEDLE = "One of the special magic {kind} for {key} is: {value}.\n"
@@ -242,8 +242,8 @@ def _fill(head: list[int], pieces: list[tuple[list[int], bool]],
           inserts: list[tuple[float, list[int]]], tail: list[int]):
     """``head`` + the haystack ``pieces`` with each ``(depth, ids)`` of ``inserts`` at the line
     boundary (start, end, or after a piece that ends a line) nearest ``depth`` of the haystack's
-    tokens (ties keep the order given) + ``tail``. Returns ``(ids, spans of the inserts in the
-    order given, haystack span)``."""
+    tokens (those at one boundary by depth, then in the order given) + ``tail``. Returns
+    ``(ids, spans of the inserts in the order given, haystack span)``."""
     total = sum(len(x) for x, _ in pieces)
     bounds, at = {0: 0}, 0  # boundary (pieces before it) -> tokens before it
     for b, (x, ends) in enumerate(pieces, 1):
@@ -251,7 +251,7 @@ def _fill(head: list[int], pieces: list[tuple[list[int], bool]],
         if ends or b == len(pieces):
             bounds[b] = at
     slot = [min(bounds, key=lambda b: abs(bounds[b] - d * total)) for d, _ in inserts]
-    order = sorted(range(len(inserts)), key=lambda i: slot[i])
+    order = sorted(range(len(inserts)), key=lambda i: (slot[i], inserts[i][0]))
     ids, spans, j = list(head), [None] * len(inserts), 0
     for b in range(len(pieces) + 1):
         while j < len(order) and slot[order[j]] == b:
@@ -268,15 +268,15 @@ class RulerGenerator:
     """Samples of the tasks for one tokenizer, deterministic per ``seed``: sample ``i`` of
     ``(task, T, depth)`` depends on nothing else (not on the other tasks, lengths or counts)."""
 
-    def __init__(self, tokenizer, max_length: int, seed: int = 0, slack: int = 8):
+    def __init__(self, tokenizer, seed: int = 0, slack: int = 8):
         self.tokenizer, self.seed, self.slack = tokenizer, seed, slack
-        self.max_length = max_length
-        self._haystacks: dict[str, Haystack] = {}
+        self._haystacks: dict[tuple[str, int], Haystack] = {}
 
-    def haystack(self, kind: str) -> Haystack:
-        if kind not in self._haystacks:
-            self._haystacks[kind] = Haystack(self.tokenizer, kind, self.max_length)
-        return self._haystacks[kind]
+    def haystack(self, kind: str, T: int) -> Haystack:
+        """The haystack of prompts of length ``T`` (its corpus pool grows with ``T``)."""
+        if (kind, T) not in self._haystacks:
+            self._haystacks[kind, T] = Haystack(self.tokenizer, kind, T)
+        return self._haystacks[kind, T]
 
     def enc(self, text: str) -> list[int]:
         return _encode(self.tokenizer, [text])[0]
@@ -284,8 +284,6 @@ class RulerGenerator:
     def sample(self, task: str, T: int, depth: float | None, i: int) -> Sample:
         if task not in TASKS:
             raise ValueError(f"task must be one of {tuple(TASKS)}, got {task!r}")
-        if T > self.max_length:
-            raise ValueError(f"T={T} exceeds the generator's max_length={self.max_length}")
         rng = random.Random(f"ruler/{self.seed}/{task}/{T}/{depth}/{i}")
         spec = TASKS[task]
         make = {Needles: self._needles, VariableTracking: self._vt,
@@ -334,7 +332,7 @@ class RulerGenerator:
         head, tail = self.enc(intro), self.enc(question)
         fixed = len(head) + len(tail) + sum(len(x) for _, x in inserts)
         n, new_tokens = self._budget(task, T, fixed, answer_ids)
-        pieces = self.haystack(haystack).take(n, rng)
+        pieces = self.haystack(haystack, T).take(n, rng)
         ids, needles, hay = _fill(head, pieces, inserts, tail)
         return Sample(task, T, depth, ids, answers, answer_ids, spans, needles, hay, new_tokens)
 
@@ -424,7 +422,7 @@ def ruler_rows(model, tokenizer, cfg: RulerConfig, fields: dict,
     from .model import arm_fields, set_arm
 
     arms = parse_arms(cfg.arms, cfg.knobs)
-    gen = RulerGenerator(tokenizer, max(cfg.lengths), cfg.seed, cfg.slack)
+    gen = RulerGenerator(tokenizer, cfg.seed, cfg.slack)
     rows = []
     for T in cfg.lengths:
         samples = {task: task_samples(gen, task, T, cfg) for task in cfg.tasks}
@@ -436,11 +434,12 @@ def ruler_rows(model, tokenizer, cfg: RulerConfig, fields: dict,
             for task, todo in samples.items():
                 scores, t0 = [], time.perf_counter()
                 for s in todo:
+                    t1 = time.perf_counter()
                     score, said = score_sample(model, tokenizer, s, cfg.mode)
                     scores.append((s.depth, score))
                     print(f"[ruler] T={T} {task} depth={s.depth} {arm.name}: {score:.2f} "
-                          f"{said.strip()[:60]!r} (want {', '.join(s.answers)})",
-                          file=cfg.log, flush=True)
+                          f"{said.strip()[:60]!r} (want {', '.join(s.answers)}; "
+                          f"{time.perf_counter() - t1:.1f} s)", file=cfg.log, flush=True)
                 ms = 1000 * (time.perf_counter() - t0) / len(todo)
                 per_task[task] = sum(v for _, v in scores) / len(scores)
 
@@ -513,11 +512,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     """The flags of this task the shared checks (``pisa.cli.check_flags``) leave:
     ``ValueError("argument --flag: ...")``."""
-    if any(not 0 <= d <= 1 for d in args.depths):
-        raise ValueError(f"argument --depths: every depth must be in [0, 1], got {args.depths}")
     if args.slack < 0:
         raise ValueError(f"argument --slack: must be >= 0, got {args.slack}")
-    check_model_arguments(args)
+    check_common_arguments(args)
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
