@@ -8,6 +8,9 @@ Schema::
 
 ``meta`` says where and when the numbers were measured (card, versions, UTC date, the command);
 a benchmark adds its own keys to either (``extra`` columns of ``result_row``, keys of ``meta``).
+The rows of ``pisa eval ruler`` / ``ppl`` on a real model (``impl`` the attention arm) add the
+model's ``model`` (name), ``layers``, ``context`` (trained positions) and ``device``, then the
+task's columns; their ``meta`` holds the same model fields and ``timings`` (seconds).
 """
 from __future__ import annotations
 
