@@ -146,7 +146,8 @@ def recall_rows(model, documents: dict[int, list[torch.Tensor]], cfg: RecallConf
                 lq = LayerQuality(q, k, cfg)
                 if cfg.arms:
                     got = [lq.measure_arm(n, kn) for n, kn in cfg.arms.items()]
-                    got.append(lq.measure("flat_mean"))
+                    if "flat_mean" not in cfg.arms:  # always the reference
+                        got.append(lq.measure("flat_mean"))
                     _accumulate(sums, layer, got)
                     print(f"[recall] T={T} doc {d + 1} layer {layer}: "
                           + " ".join(f"{r['selector']}:{r['recall']:.3f}/{r['mass_ratio']:.4f}"

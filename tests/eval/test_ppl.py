@@ -8,6 +8,8 @@ import torch
 
 from pisa.eval.ppl import PplConfig, bucket_edges
 
+from .common import needs_smollm2
+
 
 def test_buckets_cover_every_predicted_position_once():
     assert bucket_edges(9, 4) == [1, 3, 5, 7, 9]
@@ -83,3 +85,18 @@ def test_cli_eval_commands_run_end_to_end_on_tiny_saved_models(task, tiny_model_
         assert {r["selector"] for r in rows} == {"pisa", "flat_lse", "flat_mean"}
         flat_lse = [r for r in rows if r["selector"] == "flat_lse"]
         assert all(r["recall"] == pytest.approx(1.0) for r in flat_lse)  # it is the oracle
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_cli_eval_ppl_on_smollm2(tmp_path):
+    from pisa.cli import main
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "ppl", "--lengths", "1536", "--buckets", "3", "--device", "cpu",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    val = {(r["impl"], r["lo"], r["hi"], r["metric"]): r["value"] for r in rows}
+    # positions < K * C = 1024 attend every block; past them, close to dense
+    assert val[("pisa", 1, 512, "agreement")] == val[("pisa", 512, 1024, "agreement")] == 1.0
+    assert 0.95 < val[("pisa", 1024, 1536, "ppl_ratio")] < 1.05
+    assert val[("dense", 1, 1536, "ppl")] < 30

@@ -9,6 +9,8 @@ import torch
 from pisa.eval.ruler import (FWE_NOISE, TASKS, Needles, RulerGenerator, Sample, forced_score,
                              match_score)
 
+from .common import needs_smollm2
+
 T = 1024  # the byte tokenizer spends ~400 tokens on the instructions and needles
 NEEDLE_TASKS = [t for t, spec in TASKS.items() if isinstance(spec, Needles)]
 
@@ -173,3 +175,17 @@ def test_cli_ruler_generates_answers_on_the_gqa7_model(tiny_model_dirs, tmp_path
     assert {(r["impl"], r["task"], r["mode"], r["samples"]) for r in rows if r["depth"] is None} \
         == {(a, t, "generate", 1) for a in ("dense", "pisa") for t in ("niah_single_1", "average")}
     assert "| niah_single_1 | 768 | 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_cli_eval_ruler_on_smollm2(tmp_path):
+    from pisa.cli import main
+    out = tmp_path / "ruler.json"
+    assert main(["eval", "ruler", "--tasks", "niah_single_2", "--lengths", "1024",
+                 "--mode", "forced", "--arms", "dense", "--device", "cpu",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["model"], r["layers"], r["HQ"], r["HKV"], r["D"]) for r in rows} == {
+        ("SmolLM2-135M-Instruct", 30, 9, 3, 64)}
+    assert rows[0]["value"] == 1.0  # SmolLM2 finds one needle in 1K tokens
