@@ -90,7 +90,7 @@ NOUNS = ("anchor", "badger", "basket", "beacon", "breeze", "bridge", "candle", "
          "mirror", "needle", "orchard", "otter", "pebble", "pepper", "pillow", "quarry", "rabbit",
          "ribbon", "saddle", "spider", "temple", "thunder", "violin", "window")
 LINE_TOKENS = 64   # corpus lines longer than this are cut: needles go at least this close
-POOL_FACTOR = 4    # corpus tokens read per token of the longest prompt (start lines vary)
+POOL_FACTOR = 4    # corpus tokens read per prompt token (so that start lines vary)
 FWE_VOCAB = 2000   # coded words ranked by the Zipf law (most draw no occurrence at all)
 
 
@@ -197,6 +197,15 @@ def _corpus_pieces(tokenizer, tokens: int) -> list[tuple[list[int], bool]]:
     raise ValueError(f"the corpus ({corpus()[0]}) holds only {total} tokens, {tokens} wanted")
 
 
+def _leading_special(tokenizer) -> list[int]:
+    """The tokens the tokenizer puts before a text by itself (a BOS token for Llama; none for
+    SmolLM2 or Qwen2): every prompt starts with them, as the model saw in training."""
+    plain = _encode(tokenizer, ["a"])[0]
+    full = tokenizer("a").input_ids
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    return full[:starts[0]] if starts else []
+
+
 def _keys(rng: random.Random, n: int) -> list[str]:
     pairs = rng.sample(range(len(ADJECTIVES) * len(NOUNS)), n)
     return [f"{ADJECTIVES[p // len(NOUNS)]}-{NOUNS[p % len(NOUNS)]}" for p in pairs]
@@ -271,6 +280,7 @@ class RulerGenerator:
     def __init__(self, tokenizer, seed: int = 0, slack: int = 8):
         self.tokenizer, self.seed, self.slack = tokenizer, seed, slack
         self._haystacks: dict[tuple[str, int], Haystack] = {}
+        self.start = _leading_special(tokenizer)
 
     def haystack(self, kind: str, T: int) -> Haystack:
         """The haystack of prompts of length ``T`` (its corpus pool grows with ``T``)."""
@@ -329,7 +339,7 @@ class RulerGenerator:
 
     def _assemble(self, task, T, depth, rng, haystack, intro, inserts, question, answers):
         answer_ids, spans = _answer(self.tokenizer, answers)
-        head, tail = self.enc(intro), self.enc(question)
+        head, tail = self.start + self.enc(intro), self.enc(question)
         fixed = len(head) + len(tail) + sum(len(x) for _, x in inserts)
         n, new_tokens = self._budget(task, T, fixed, answer_ids)
         pieces = self.haystack(haystack, T).take(n, rng)
@@ -341,7 +351,7 @@ class RulerGenerator:
                                      "abcdefghijklmnopqrstuvwxyz")
         answers = vocab[1:1 + spec.top]
         answer_ids, spans = _answer(self.tokenizer, answers)
-        head, tail = self.enc(FWE_INTRO), self.enc(FWE_QUESTION)
+        head, tail = self.start + self.enc(FWE_INTRO), self.enc(FWE_QUESTION)
         n, new_tokens = self._budget(task, T, len(head) + len(tail), answer_ids)
         zeta = sum(k ** -spec.alpha for k in range(1, len(vocab) + 1))
         words = n // 2  # a first guess of the words that fit; shrunk until the text does

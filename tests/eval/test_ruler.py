@@ -90,6 +90,22 @@ def test_frequent_words_are_the_most_frequent(tok):
     assert counts[s.answers[2]] > counts[ranked[4]]
 
 
+def test_prompts_start_as_the_tokenizer_starts_a_text(tok):
+    """A tokenizer that puts a BOS token before each text (Llama's) gets it once, first; the
+    byte tokenizer (as SmolLM2's and Qwen2's) gets none."""
+    from tokenizers import processors
+
+    from pisa.eval.model import byte_tokenizer
+    assert RulerGenerator(tok).sample("niah_single_1", T, 0.5, 0).ids[0] != tok.bos_token_id
+    bos = byte_tokenizer()
+    bos._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos.bos_token_id)])
+    for task in ("niah_single_1", "fwe"):
+        s = RulerGenerator(bos).sample(task, T, 0.5, 0)
+        assert s.ids[0] == bos.bos_token_id and s.ids.count(bos.bos_token_id) == 1
+        assert len(s.ids) + s.new_tokens <= T
+
+
 def test_too_short_a_length_is_refused(tok):
     with pytest.raises(ValueError, match="too short for task niah_multiquery"):
         RulerGenerator(tok).sample("niah_multiquery", 300, 0.5, 0)
