@@ -541,11 +541,11 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
                 seed=cfg.seed, slack=cfg.slack)
     rows = []
     for T in cfg.lengths:
-        t0 = time.perf_counter()
-        rows += ruler_rows(model, tokenizer, replace(cfg, lengths=[T]), fields, info["timings"])
-        info["timings"][f"T={T}"] = round(time.perf_counter() - t0, 2)
-        info["summary"] = summarize(rows)
-        write_result(args.json, info, rows)
+        for arm in cfg.arms:  # the file holds every finished (length, arm) if a run is cut short
+            rows += ruler_rows(model, tokenizer, replace(cfg, lengths=[T], arms=[arm]), fields,
+                               info["timings"])
+            info["summary"] = summarize(rows)
+            write_result(args.json, info, rows)
     print(format_table(rows))
     for T, s in info["summary"].items():
         if s["too_hard_for_dense"]:
