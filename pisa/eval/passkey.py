@@ -56,7 +56,7 @@ class PasskeyConfig:
     new_tokens: int = 8
     keys: int = 1                      # needles per prompt (> 1: multi-key, one asked)
     seed: int = 0
-    log: object = field(default=sys.stderr, repr=False)
+    log: object = field(default_factory=lambda: sys.stderr, repr=False)  # stderr when run
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, key: int,

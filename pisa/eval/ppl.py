@@ -58,7 +58,7 @@ class PplConfig:
     buckets: int = 8
     arms: list[str] = field(default_factory=lambda: list(DEFAULT_ARMS))
     knobs: dict = field(default_factory=dict)   # the run's: block_size, topk, beam, backend
-    log: object = field(default=sys.stderr, repr=False)
+    log: object = field(default_factory=lambda: sys.stderr, repr=False)  # stderr when run
 
 
 def ppl_rows(model, documents: dict[int, list[torch.Tensor]], cfg: PplConfig, fields: dict,

@@ -49,7 +49,7 @@ class RecallConfig:
     arms: dict[str, dict] | None = None
     backend: str = "auto"
     seed: int = 0
-    log: object = field(default=sys.stderr, repr=False)
+    log: object = field(default_factory=lambda: sys.stderr, repr=False)  # stderr when run
 
 
 def random_select(batch: int, n_queries: int, n_keys: int, n_kv_heads: int, block_size: int,

@@ -414,7 +414,7 @@ class RulerConfig:
     slack: int = 8
     seed: int = 0
     knobs: dict = field(default_factory=dict)   # the run's: block_size, topk, beam, backend
-    log: object = field(default=sys.stderr, repr=False)
+    log: object = field(default_factory=lambda: sys.stderr, repr=False)  # stderr when run
 
 
 def task_samples(gen: RulerGenerator, task: str, T: int, cfg: RulerConfig) -> list[Sample]:
