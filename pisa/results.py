@@ -13,6 +13,9 @@ the UTC date and the command. A command that selects blocks adds ``backend`` (as
 library resolves it). In a row, ``ms`` is the median of the timed runs and ``ms_min`` / ``ms_max``
 their spread (``None`` where a script keeps one number); ``W`` is the beam as resolved. A
 benchmark adds its own keys to either (``extra`` columns of ``result_row``, keys of ``meta``).
+The rows of ``pisa eval ruler`` / ``ppl`` on a real model (``impl`` the attention arm) add the
+model's ``model`` (name), ``layers``, ``context`` (trained positions) and ``device``, then the
+task's columns; their ``meta`` holds the same model fields and ``timings`` (seconds).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..ops.utils.config import SelectConfig
-from .gpt import ARMS
+from .common import add_arm_arguments, add_model_arguments, check_common_arguments
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
@@ -41,9 +41,6 @@ DOORS = ("red", "blue", "green", "amber", "violet", "silver", "orange", "white",
          "pink", "grey", "brown", "purple", "yellow", "cyan")
 DOOR_NEEDLE = "The pass key of the {door} door is {key}. Remember it. "
 DOOR_QUESTION = "What is the pass key of the {door} door? The pass key of the {door} door is"
-# Documents of the corpus that ``pisa eval recall`` reads first; the LM measurement skips them.
-HELD_OUT_SKIP = 8
-LM_CHUNK = 1024  # positions per lm_head call: the full [T, vocab] logits would be GBs at 8K
 
 
 @dataclass
@@ -59,7 +56,7 @@ class PasskeyConfig:
     new_tokens: int = 8
     keys: int = 1                      # needles per prompt (> 1: multi-key, one asked)
     seed: int = 0
-    log: object = field(default=sys.stderr, repr=False)
+    log: object = field(default_factory=lambda: sys.stderr, repr=False)  # stderr when run
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, key: int,
@@ -129,27 +126,12 @@ def passkey_rows(model, tokenizer, cfg: PasskeyConfig, model_name: str) -> list[
     return rows
 
 
-def next_token_stats(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position of ``ids [1, T]`` (all but the last): the negative log-likelihood of the next
-    token and the argmax prediction, ``([T-1] fp32, [T-1] int64)``; the lm_head runs in chunks so
-    the ``[T, vocab]`` logits never exist at once."""
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-        target = ids[0, 1:]
-        nll, pred = [], []
-        for s in range(0, hidden.shape[0], LM_CHUNK):
-            logits = model.lm_head(hidden[s:s + LM_CHUNK]).float()
-            nll.append(torch.nn.functional.cross_entropy(logits, target[s:s + LM_CHUNK],
-                                                         reduction="none"))
-            pred.append(logits.argmax(-1))
-    return torch.cat(nll), torch.cat(pred)
-
-
 def lm_rows(model, documents: dict[int, list[torch.Tensor]], cfg: PasskeyConfig,
             model_name: str) -> list[dict]:
     """Perplexity (all tokens and past ``K * C``) and next-token agreement with the dense arm
     per (arm, T) on ``documents = {T: [ids [1, T], ...]}``."""
     from .model import set_arm
+    from .ppl import next_token_stats
 
     device = next(model.parameters()).device
     tail = cfg.topk * cfg.block_size  # positions before it attend every block: PISA == dense
@@ -213,11 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="relative depths of the passkey in the filler (e.g. 0.1 0.5 0.9)")
     p.add_argument("--samples", type=int, default=1,
                    help="passkeys per (length, depth), and held-out documents per length")
-    p.add_argument("--arms", nargs="+", default=["dense", "pisa", "flat_mean"],
-                   choices=list(ARMS))
-    p.add_argument("--topk", type=int, default=16, help="blocks per query K")
-    p.add_argument("--block-size", type=int, default=64, help="leaf block size C")
-    p.add_argument("--beam", type=int, default=None, help="beam width W (default K)")
+    add_arm_arguments(p, default=("dense", "pisa", "flat_mean"))
     p.add_argument("--keys", type=int, default=1,
                    help="needles per prompt; > 1: multi-key (one door's key asked)")
     p.add_argument("--new-tokens", type=int, default=8,
@@ -225,44 +203,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "them is the answer; a model that restates the question first needs "
                         "more than the key's 5 digits)")
     p.add_argument("--no-lm", action="store_true", help="skip the perplexity / agreement part")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")
+    add_model_arguments(p)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """The flags of this task the shared checks (``pisa.cli.check_flags``) leave:
     ``ValueError("argument --flag: ...")``."""
-    if any(not 0 <= d <= 1 for d in args.depths):
-        raise ValueError(f"argument --depths: every depth must be in [0, 1], got {args.depths}")
     if args.new_tokens < 1:
         raise ValueError(f"argument --new-tokens: must be >= 1, got {args.new_tokens}")
     if not 1 <= args.keys <= len(DOORS):
         raise ValueError(f"argument --keys: must be in [1, {len(DOORS)}], got {args.keys}")
+    check_common_arguments(args)
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    from .corpus import corpus, token_samples
+    from .corpus import HELD_OUT_SKIP, corpus, token_samples
     from ..results import write_result
-    from .model import SMOLLM2_ROW, start_eval
+    from .model import start_eval
 
     cfg = PasskeyConfig(lengths=args.lengths, depths=args.depths, samples=args.samples,
                         arms=args.arms, topk=args.topk, block_size=args.block_size,
                         beam=args.beam, backend=args.backend, keys=args.keys,
                         new_tokens=args.new_tokens)
-    model, tokenizer, info = start_eval("passkey", args.device, argv)
+    model, tokenizer, info, fields = start_eval("passkey", args, argv)
     info.update(filler=FILLER, needle=NEEDLE, question=QUESTION)
     if cfg.keys > 1:
         info.update(needle=DOOR_NEEDLE, question=DOOR_QUESTION, doors=DOORS[:cfg.keys])
     rows = []
     for T in cfg.lengths:
-        rows += passkey_rows(model, tokenizer, replace(cfg, lengths=[T]), SMOLLM2_ROW)
+        rows += passkey_rows(model, tokenizer, replace(cfg, lengths=[T]), fields["model"])
         write_result(args.json, info, rows)
     if not args.no_lm:
         info["corpus"] = corpus()[0]
         for T in cfg.lengths:
             docs = {T: token_samples(tokenizer, T, cfg.samples, skip=HELD_OUT_SKIP)}
-            rows += lm_rows(model, docs, cfg, SMOLLM2_ROW)
+            rows += lm_rows(model, docs, cfg, fields["model"])
             write_result(args.json, info, rows)
     print(format_table(rows))
     if args.json:

@@ -26,9 +26,11 @@ from ..ops.utils.geometry import cdiv
 # The knobs every selector and arm starts from: the per-token walk (``pisa_select`` defaults to
 # 16-token tiles since selection v2; the beam sweep and the recorded arms, e.g. ``qt1_w16:beam=16``
 # in ``benchmarks/results/quality_recall_v2.json``, are on top of the per-token knobs).
+from .common import add_model_arguments, check_common_arguments, parse_arms
 from .gpt import PER_TOKEN
 from .metrics import SelectionScorer
 
+CUSTOM_BASE = "pisa_qt1"  # the arm an --arms name not of ARMS starts from: the per-token walk
 FIELDS = ("model", "layer", "T", "selector", "K", "W", "recall", "mass", "mass_ratio")
 
 
@@ -47,7 +49,7 @@ class RecallConfig:
     arms: dict[str, dict] | None = None
     backend: str = "auto"
     seed: int = 0
-    log: object = field(default=sys.stderr, repr=False)
+    log: object = field(default_factory=lambda: sys.stderr, repr=False)  # stderr when run
 
 
 def random_select(batch: int, n_queries: int, n_keys: int, n_kv_heads: int, block_size: int,
@@ -103,10 +105,11 @@ class LayerQuality:
         return {"selector": selector, "W": W, **self.score(idx)}
 
     def measure_arm(self, name: str, knobs: dict) -> dict:
-        """The row of the pyramid at ``knobs`` (``pisa_select`` keywords on top of ``PER_TOKEN``;
-        tile selections are scored per token, each token with its tile's blocks), named
-        ``name``."""
-        idx = self.score.select("pyramid", **knobs)  # per token (tiles expanded)
+        """The row of the selection at ``knobs`` (``pisa_select`` keywords on top of ``PER_TOKEN``,
+        ``selector`` among them, default the pyramid; tile selections are scored per token, each
+        token with its tile's blocks), named ``name``."""
+        knobs = dict(knobs)
+        idx = self.score.select(knobs.pop("selector", "pyramid"), **knobs)  # per token
         return {"selector": name, "W": knobs.get("beam", self.cfg.topk), **self.score(idx)}
 
 
@@ -143,7 +146,8 @@ def recall_rows(model, documents: dict[int, list[torch.Tensor]], cfg: RecallConf
                 lq = LayerQuality(q, k, cfg)
                 if cfg.arms:
                     got = [lq.measure_arm(n, kn) for n, kn in cfg.arms.items()]
-                    got.append(lq.measure("flat_mean"))
+                    if "flat_mean" not in cfg.arms:  # always the reference
+                        got.append(lq.measure("flat_mean"))
                     _accumulate(sums, layer, got)
                     print(f"[recall] T={T} doc {d + 1} layer {layer}: "
                           + " ".join(f"{r['selector']}:{r['recall']:.3f}/{r['mass_ratio']:.4f}"
@@ -198,16 +202,10 @@ def summarize_arms(rows: list[dict], arms: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def parse_arm(text: str) -> tuple[str, dict]:
-    """``"name:knob=value,knob=value"`` (ints where they parse) -> ``(name, knobs)``."""
-    name, _, spec = text.partition(":")
-    knobs = {}
-    for item in filter(None, spec.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"argument --arms: expected name:knob=value,..., got {text!r}")
-        knobs[key] = int(value) if value.lstrip("-").isdigit() else value
-    return name, knobs
+def recall_arms(texts: list[str]) -> dict[str, dict]:
+    """``--arms`` -> ``{name: pisa_select knobs}`` (``parse_arms``; names not of ``ARMS`` start
+    from the per-token walk, ``CUSTOM_BASE``)."""
+    return {a.name: a.knobs for a in parse_arms(texts, custom_base=CUSTOM_BASE)}
 
 
 def _layer_recall(by: dict, layer: int, W: int) -> float:
@@ -264,25 +262,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="document lengths T in tokens (default 4096, the shortest where the "
                         "pyramid prunes at C=64, K=W=16; SmolLM2's context is 8192)")
     p.add_argument("--layers", type=int, nargs="+", default=None,
-                   help="layers to measure (default: every 6th, 0 6 12 18 24 29; "
-                        "'--layers -1' for all)")
+                   help="layers to measure (default: every 6th and the last, SmolLM2's "
+                        "0 6 12 18 24 29; '--layers -1' for all)")
     p.add_argument("--samples", type=int, default=1, help="documents per length")
     p.add_argument("--topk", type=int, default=16, help="blocks per query K")
     p.add_argument("--block-size", type=int, default=64, help="leaf block size C")
     p.add_argument("--branching", type=int, default=2, help="pyramid branching g")
     p.add_argument("--target", type=float, default=0.95,
                    help="recall the beam search (W = K, 2K, 4K, ...) looks for")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--arms", nargs="+", default=None, metavar="NAME:KNOB=V,...",
-                   help="pisa_select knob sets to compare, on top of the per-token walk "
-                        "(query_tile=1, scorer=lse, tile_reduce=sum; e.g. 'qt16:query_tile=16,"
-                        "beam_leaf=32,tile_reduce=qmean'), measured with flat_mean instead of "
-                        "the beam sweep")
-    p.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")
+                   help="selections to compare instead of the beam sweep and random, each with "
+                        "flat_mean: pisa, pisa_qt1, flat_lse, flat_mean or NAME:KNOB=V,... (a NAME "
+                        "not among those starts from the per-token walk: query_tile=1, "
+                        "scorer=lse, tile_reduce=sum; e.g. 'qt16:query_tile=16,beam_leaf=32,"
+                        "tile_reduce=qmean')")
+    add_model_arguments(p)
 
 
-DEFAULT_LAYERS = [0, 6, 12, 18, 24, 29]
+def default_layers(n_layers: int) -> list[int]:
+    """Every 6th layer and the last (SmolLM2's 30: 0 6 12 18 24 29)."""
+    return sorted(set(range(0, n_layers, 6)) | {n_layers - 1})
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -293,22 +292,23 @@ def check_arguments(args: argparse.Namespace) -> None:
                          f"all), got {args.layers}")
     if not 0 < args.target <= 1:
         raise ValueError(f"argument --target: must be in (0, 1], got {args.target}")
-    for text in args.arms or []:
-        parse_arm(text)
+    if args.arms and "dense" in args.arms:
+        raise ValueError("argument --arms: recall scores selections; dense selects nothing")
+    check_common_arguments(args, custom_base=CUSTOM_BASE)
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from .corpus import corpus, token_samples
     from ..results import write_result
-    from .model import SMOLLM2_ROW, start_eval
+    from .model import start_eval
 
-    layers = DEFAULT_LAYERS if args.layers is None else (None if args.layers == [-1]
-                                                         else args.layers)
+    model, tokenizer, info, fields = start_eval("recall", args, argv)
+    layers = default_layers(fields["layers"]) if args.layers is None else (
+        None if args.layers == [-1] else args.layers)
     cfg = RecallConfig(lengths=args.lengths, layers=layers, samples=args.samples,
                        topk=args.topk, block_size=args.block_size, branching=args.branching,
                        target=args.target, backend=args.backend,
-                       arms=dict(parse_arm(a) for a in args.arms) if args.arms else None)
-    model, tokenizer, info = start_eval("recall", args.device, argv)
+                       arms=recall_arms(args.arms) if args.arms else None)
     source = corpus()[0]
     print(f"[recall] documents: {source}", file=cfg.log, flush=True)
     info.update(corpus=source, samples=cfg.samples, C=cfg.block_size, g=cfg.branching,
@@ -316,7 +316,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     rows = []
     for T in cfg.lengths:
         docs = {T: token_samples(tokenizer, T, cfg.samples)}
-        rows += recall_rows(model, docs, cfg, SMOLLM2_ROW)
+        rows += recall_rows(model, docs, cfg, fields["model"])
         info["summary"] = summarize_arms(rows, cfg.arms) if cfg.arms else \
             summarize(rows, cfg.target)
         write_result(args.json, info, rows)

@@ -90,11 +90,14 @@ def test_recall_arms_of_selection_v2_on_tiny_llama(rng):
     layer; an arm whose budget covers every block captures the oracle's mass exactly."""
     pytest.importorskip("transformers", minversion="5.0")
     from pisa.eval.model import tiny_llama
-    from pisa.eval.recall import parse_arm, recall_rows, summarize_arms
+    from pisa.eval.gpt import PER_TOKEN
+    from pisa.eval.recall import recall_arms, recall_rows, summarize_arms
     model = tiny_llama(seed=int(rng))
-    arms = dict(parse_arm(a) for a in ("tile:query_tile=4,beam_leaf=8,tile_reduce=qmean",
-                                       "bound:scorer=bound,beam=2", "all:topk=16"))
-    assert arms["tile"] == {"query_tile": 4, "beam_leaf": 8, "tile_reduce": "qmean"}
+    arms = recall_arms(["tile:query_tile=4,beam_leaf=8,tile_reduce=qmean",
+                        "bound:scorer=bound,beam=2", "all:topk=16"])
+    # a name not of ARMS starts from the per-token walk
+    assert arms["tile"] == dict(PER_TOKEN, selector="pyramid", query_tile=4, beam_leaf=8,
+                                tile_reduce="qmean")
     cfg = RecallConfig(lengths=[128], block_size=8, topk=4, arms=arms)
     rows = recall_rows(model, {128: [torch.randint(0, 128, (1, 128))]}, cfg, "tiny")
     assert {(r["layer"], r["selector"]) for r in rows} == {
@@ -105,7 +108,7 @@ def test_recall_arms_of_selection_v2_on_tiny_llama(rng):
     assert summary["all"]["min_mass_ratio"] >= 1 - 1e-6  # 16 blocks: every causal block
     assert summary["tile"]["layers"] == 2 and summary["tile"]["knobs"] == arms["tile"]
     with pytest.raises(ValueError, match="--arms"):
-        parse_arm("bad:query_tile")
+        recall_arms(["bad:query_tile"])
 
 
 @pytest.mark.slow
