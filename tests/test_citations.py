@@ -33,6 +33,8 @@ PATH_RE = re.compile(_NOT_AFTER + r"((?:" + "|".join(TOP_DIRS) + r")/[\w./*-]*[\
 RELATIVE_RE = re.compile(r"(?<![\w./-])(\.\./[\w./*-]*[\w*])")
 NAME_RE = re.compile(_NOT_AFTER + r"([\w*-]+\.(?:md|py|json|png|tar\.gz))(?![\w/-])")
 MODULE_RE = re.compile(_NOT_AFTER + r"(pisa(?:\.[A-Za-z_]\w*)+)")
+# files of a user's model directory, not of the repository
+EXTERNAL_NAMES = {"config.json", "tokenizer.json", "tokenizer_config.json"}
 # what a command writes is not a citation
 OUTPUT_RE = re.compile(r"--(?:json|out)[ =]\S+")
 
@@ -43,7 +45,8 @@ def citations(text: str) -> list[tuple[str, str]]:
     text = OUTPUT_RE.sub(" ", text)
     found = [(m.start(), "path", m.group(1)) for m in PATH_RE.finditer(text)]
     found += [(m.start(), "relative", m.group(1)) for m in RELATIVE_RE.finditer(text)]
-    found += [(m.start(), "name", m.group(1)) for m in NAME_RE.finditer(text)]
+    found += [(m.start(), "name", m.group(1)) for m in NAME_RE.finditer(text)
+              if m.group(1) not in EXTERNAL_NAMES]
     found += [(m.start(), "module", m.group(1)) for m in MODULE_RE.finditer(text)]
     return [(kind, cited) for _, kind, cited in sorted(found)]
 
