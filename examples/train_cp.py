@@ -126,7 +126,7 @@ def run(args) -> None:
 
 
 def spawned(rank: int, world: int, port: int, args) -> None:
-    """A rank started by ``mp.spawn``: joins the gloo group on this host."""
+    """A rank started by ``main``: joins the gloo group on this host."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -152,7 +152,9 @@ def main(argv=None) -> None:
     elif args.device == "cuda":
         sys.exit("--device cuda: launch with torchrun (one process a GPU)")
     else:
-        mp.spawn(spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc)
+        # fork where it is safe (Linux, nothing run yet): the ranks share this process's imports
+        mp.start_processes(spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc,
+                           start_method="fork" if sys.platform == "linux" else "spawn")
 
 
 if __name__ == "__main__":
