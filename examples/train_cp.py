@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = train.checked(p, p.parse_args(argv))
     if args.attn != "pisa":
         p.error("context parallelism runs PISA only (--attn pisa)")
+    if "RANK" not in os.environ and args.nproc % args.cp:
+        p.error(f"--nproc {args.nproc} must be a multiple of --cp {args.cp}")
     return args
 
 
