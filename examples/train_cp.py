@@ -48,8 +48,7 @@ from pisa.distributed import comm_bytes, reset_comm_bytes, shard  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
-                                parents=[train.parser()])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[train.parser()])
     p.add_argument("--cp", type=int, default=2, help="ranks a sequence is split over (default 2)")
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks to spawn when not under torchrun (default 2)")
