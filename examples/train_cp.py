@@ -48,14 +48,15 @@ from pisa.distributed import comm_bytes, reset_comm_bytes, shard  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False,
-                                parents=[train.parser()])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[train.parser()])
     p.add_argument("--cp", type=int, default=2, help="ranks a sequence is split over (default 2)")
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks to spawn when not under torchrun (default 2)")
     args = train.checked(p, p.parse_args(argv))
     if args.attn != "pisa":
         p.error("context parallelism runs PISA only (--attn pisa)")
+    if "RANK" not in os.environ and args.nproc % args.cp:
+        p.error(f"--nproc {args.nproc} must be a multiple of --cp {args.cp}")
     return args
 
 
@@ -126,7 +127,7 @@ def run(args) -> None:
 
 
 def spawned(rank: int, world: int, port: int, args) -> None:
-    """A rank started by ``mp.spawn``: joins the gloo group on this host."""
+    """A rank started by ``main``: joins the gloo group on this host."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -152,7 +153,9 @@ def main(argv=None) -> None:
     elif args.device == "cuda":
         sys.exit("--device cuda: launch with torchrun (one process a GPU)")
     else:
-        mp.spawn(spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc)
+        # fork where it is safe (Linux, nothing run yet): the ranks share this process's imports
+        mp.start_processes(spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc,
+                           start_method="fork" if sys.platform == "linux" else "spawn")
 
 
 if __name__ == "__main__":
