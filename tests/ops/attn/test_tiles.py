@@ -37,7 +37,7 @@ def device(backend):
 
 @pytest.fixture
 def triton_cfg(monkeypatch):
-    """Replace Triton launch knobs (``KernelConfig`` fields) for one test."""
+    """Replace Triton launch knobs (``AttnLaunch`` fields) for one test."""
     def set_cfg(**knobs):
         import pisa.ops.attn.triton as attn_triton
         monkeypatch.setattr(attn_triton, "_CFG", dataclasses.replace(attn_triton._CFG, **knobs))
@@ -163,7 +163,8 @@ def test_deterministic_is_bitwise_repeatable(chunk, rng, triton_cfg):
 def test_tile_plans():
     """Rows per program: whole tiles in [tile_min_rows, rows], split above, padded below; dK/dV
     steps of ``tile_dkv_rows`` rows and chunks of about ``dkv_chunk`` tokens."""
-    from pisa.ops.attn.triton import _CFG, KernelConfig, _dkv_plan, _tile_part
+    from pisa.ops.attn.triton import _CFG, _dkv_plan, _tile_part
+    from pisa.ops.utils.launch import AttnLaunch
     assert _tile_part(16, 16, 128, 32, 128) == (8, 2)    # 256 rows: two programs of 128
     assert _tile_part(16, 4, 128, 32, 128) == (16, 1)    # 64 rows
     assert _tile_part(2, 1, 128, 32, 128) == (32, 1)     # 2 rows padded to 32
@@ -177,7 +178,7 @@ def test_tile_plans():
     assert _dkv_plan(1, 16, _CFG) == (1, 2, 2048)        # per token: 2 tokens (the minimum)
     assert _dkv_plan(1, 4, _CFG) == (1, 8, 2048)         # per token: 32 rows
     # the same rules at 64-row steps and 512-token chunks
-    big = KernelConfig(dkv_rows=64, tile_dkv_rows=64, dkv_chunk=512)
+    big = AttnLaunch(dkv_rows=64, tile_dkv_rows=64, dkv_chunk=512)
     assert _dkv_plan(16, 16, big) == (4, 1, 32)          # a tile over 4 steps
     assert _dkv_plan(2, 4, big) == (2, 8, 256)           # 8 tiles a step
     assert _dkv_plan(1, 16, big) == (1, 4, 512)          # per token

@@ -1,0 +1,93 @@
+"""How the Triton kernels take their arguments, and the compile-time pieces they share.
+
+Names (every kernel file)
+-------------------------
+``p_`` pointers, ``b_`` loaded blocks and register tiles, ``o_`` offsets and index vectors, ``m_``
+masks, ``i_`` program indices, ``s_`` strides, ``n_`` counts; CAPITAL names are ``tl.constexpr``.
+A trailing ``P`` is the power-of-two padding of the size before it (``DP`` of ``D``, ``GP`` of
+``G``, ``W2P`` of ``W2``). Sizes follow ``docs/spec.md``: ``D`` head dim, ``G`` query heads per KV
+head (the GQA group), ``C`` keys a block, ``BRANCH`` the pyramid's branching (``g``), ``W`` /
+``W2`` the beams above / at level 2 (``beam_leaf``), ``QT`` query positions a selection row
+(``query_tile``), ``TOPK`` the blocks a row keeps, ``SLOTS`` its width. Runtime lengths are
+``Tq`` / ``Tk`` (queries, keys) and ``n_tiles`` (selection rows).
+
+Arguments
+---------
+Pointers first, then strides and runtime sizes, then constexpr bundles; a kernel keeps the
+flattened order its parameters had (tuples flatten in place): the order decides how the compiler
+packs them into the constant bank (two adjacent 32-bit values load as one 64-bit word), hence its
+registers and schedule, and a reorder alone changed the SASS of the attention kernels. Each tensor's batch
+stride is an int64 scalar ``s_<x>b`` (its value passes 2**31 from ~256K tokens; a tuple element's
+integer type follows its value, so a tuple would switch it to int64 there, and recompile); its
+other strides come as one tuple ``s_<x>`` in dim order, ``q.stride()[1:3]`` for ``[B, T, H, D]``.
+Triton specializes tuple elements as it does scalar arguments (an element equal to 1 becomes a
+constant, one divisible by 16 carries that hint into the address arithmetic), so the compiled code
+is that of separate arguments. Runtime lengths stay scalars in ``do_not_specialize``, which does
+not reach into tuples: a length's divisibility must not recompile a kernel (``docs/design.md``,
+"Cold start").
+
+Compile-time sizes and switches come in ``typing.NamedTuple`` bundles by role (a kernel file's
+rows, tree, scoring ...), passed as one ``tl.constexpr`` and handed whole to the ``@triton.jit``
+helpers; a field reads as ``ROWS.GP`` and is a constexpr like a separate argument. A bundle class
+is decorated with ``constexpr_fields``: the compiler reads a field of a constexpr tuple as a plain
+Python value, which it takes as a bound or an operand but not inside a shape list
+(``tl.zeros([ROWS.BT, ROWS.D])`` fails to compile, while the interpreter runs it).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton.language as tl
+
+from .config import SelectConfig
+from .geometry import pow2
+from .interpreter import interpreting
+from .op import F32_PRECISION
+
+# tl.dot precision of fp32 operands (``op.F32_PRECISION``) for the kernels' own dots.
+F32_PREC: tl.constexpr = tl.constexpr(F32_PRECISION)
+# An empty int32 sort-key slot (the selection's (tile, parent) pairs): above every real key.
+SLOT_NONE: tl.constexpr = tl.constexpr(torch.iinfo(torch.int32).max)
+
+# Shared memory a pipelined loop may fill with the tiles it loads ahead (``num_stages``). The H100
+# / H200 give a block up to 227 KB; what else is live beside the staged tiles differs by kernel:
+# - selection (walk, leaf stage): the whole kernel's staged tiles, with the leaf stage's parent
+#   keys, must stay under this, or the kernel runs unpipelined (1 stage). The bound scorer's four
+#   [128, 128] child tiles at g = 3, 4 asked for 279 KB with 2 stages (compiled for sm_90).
+SELECT_STAGE_SMEM = 160_000
+# - decode: per loop, the tiles loaded ahead; the queries and the dots' operands hold the rest.
+DECODE_STAGE_SMEM = 128 * 1024
+
+
+def constexpr_fields(cls):
+    """Class decorator of a ``typing.NamedTuple`` bundle: its instances hold every field as a
+    ``tl.constexpr``, so a compiled kernel may use ``BUNDLE.X`` anywhere a constexpr goes. Under
+    the interpreter the fields stay plain values, as constexpr arguments do there (the
+    interpreter's ``constexpr`` lacks Python's reflected operators: ``i % NSUB``)."""
+    make = cls.__new__
+
+    def __new__(klass, *args, **kwargs):
+        bundle = make(klass, *args, **kwargs)
+        if interpreting():
+            return bundle
+        return tuple.__new__(klass, [tl.constexpr(v) for v in bundle])
+
+    cls.__new__ = staticmethod(__new__)
+    return cls
+
+
+@constexpr_fields
+class Pick(NamedTuple):
+    """How a selection row is filled (``op.selection_row`` / ``op.store_selection``): the best
+    ``TOPK`` blocks (``TOPK`` free ones beside the forced blocks unless ``IN_BUDGET``), ascending
+    in ``SLOTS`` columns (``SLOTS_P`` padded)."""
+
+    TOPK: int
+    IN_BUDGET: bool
+    SLOTS: int
+    SLOTS_P: int
+
+
+def pick_of(cfg: SelectConfig) -> Pick:
+    return Pick(cfg.topk, cfg.forced_in_budget, cfg.slots, pow2(cfg.slots))
