@@ -53,7 +53,7 @@ from ..utils.geometry import cdiv, pow2
 from ..utils.launch import AttnLaunch
 from ..utils.op import (LOG2E, LOG2E_K, empty, load_rows, online_softmax_step, softmax_output,
                         store_rows)
-from ..utils.triton_utils import constexpr_fields
+from ..utils.triton_utils import constexpr_fields, strides_of
 
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 # keys per K/V tile: larger blocks run as several tiles, so the dK/dV accumulators fit in registers
@@ -457,17 +457,12 @@ def _reduce_parts_kernel(p_dk, p_dv, p_part_k, p_part_v, p_items, Tk, HKV, n_blo
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
-_CFG = AttnLaunch()  # the defaults (``launch=None``); tests swap it for one test
-
-
-def _batch_and_rest(x: torch.Tensor):
-    """``x``'s batch stride and its (token, head) strides, as the kernels take them."""
-    return x.stride(0), x.stride()[1:3]
+_LAUNCH = AttnLaunch()  # the defaults (``launch=None``); tests swap it for one test
 
 
 def _strides(*tensors: torch.Tensor) -> list:
-    """``_batch_and_rest`` of each ``[B, T, H, D]`` tensor, in order, flat."""
-    return [s for x in tensors for s in _batch_and_rest(x)]
+    """``strides_of`` each ``[B, T, H, D]`` tensor, in order, flat."""
+    return [s for x in tensors for s in strides_of(x)]
 
 
 def _tile_tokens(rows: int, gp: int) -> int:
@@ -688,7 +683,7 @@ def attn_fwd_triton(q, k, v, block_idx, block_size, scale, query_tile: int = 1, 
     ``launch``: the kernels' launch knobs (``utils.launch.AttnLaunch``; default: the tuned
     ones)."""
     block_idx, block_size = _prepare(q, k, block_idx, block_size)
-    launch = launch or _CFG
+    launch = launch or _LAUNCH
     if query_tile == 1:
         return _attn_fwd(q, k, v, block_idx, block_size, scale, launch)
     return _tile_fwd(q, k, v, block_idx, block_size, scale, query_tile, launch)
@@ -699,7 +694,7 @@ def attn_bwd_triton(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, det
     """Backward: ``dq, dk, dv``; ``deterministic=True`` sums split blocks in a fixed order.
     ``launch`` as in ``attn_fwd_triton``."""
     block_idx, block_size = _prepare(q, k, block_idx, block_size)
-    launch = launch or _CFG
+    launch = launch or _LAUNCH
     do = torch.zeros_like(o) if do is None else do
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = _delta(o, do, dlse)

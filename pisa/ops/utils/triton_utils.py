@@ -89,5 +89,11 @@ class Pick(NamedTuple):
     SLOTS_P: int
 
 
+def strides_of(x: torch.Tensor) -> tuple[int, tuple[int, int]]:
+    """``x``'s batch stride and the tuple of its next two (token and head for ``[B, T, H, D]``),
+    as the kernels take a tensor's strides."""
+    return x.stride(0), x.stride()[1:3]
+
+
 def pick_of(cfg: SelectConfig) -> Pick:
     return Pick(cfg.topk, cfg.forced_in_budget, cfg.slots, pow2(cfg.slots))
