@@ -76,7 +76,7 @@ class AttnShape(NamedTuple):
     DOT_PREC: str   # tl.dot input precision: "ieee" for fp32 inputs, else "tf32"
     QT: int = 1     # query positions a selection row (``query_tile``; 1: per token)
     NSPLIT: int = 1  # programs (parts of BT tokens) a query tile (tile forward / dQ)
-    SP: int = 1     # selection slots a row, padded (tile forward / dQ)
+    SLOTS_P: int = 1  # selection slots a row, padded (tile forward / dQ)
     NT: int = 1     # list entries a dK/dV step gathers
 
 
@@ -276,7 +276,7 @@ def _tile_setup(p_q, p_k, p_v, p_idx, s_qb, s_q, s_kb, s_k, s_vb, s_v, s_ib, s_i
     b_q = load_rows(p_q + i_b * s_qb, _row_offsets(o_tok, o_head, s_q), m_row, SHAPE.D)
     s_it, s_ih = s_i
     p_sel = p_idx + i_b * s_ib + i_j.to(tl.int64) * s_it + i_h * s_ih
-    o_s = tl.arange(0, SHAPE.SP)
+    o_s = tl.arange(0, SHAPE.SLOTS_P)
     b_sel = tl.load(p_sel + o_s, mask=o_s < S, other=-1)
     m_sel = b_sel >= 0
     # block c ends at or before the first position p_min: (c + 1) * C <= p_min + 1
@@ -585,7 +585,7 @@ def _tile_fwd(q, k, v, block_idx, block_size, scale, query_tile, cfg: AttnLaunch
         q, k, v, o, lse, block_idx, *_strides(q, k, v, o, block_idx),
         Tq, Tk, HKV, S, scale * LOG2E,
         AttnShape(G, GP, BT, block_size, D, _dot_precision(q), QT=query_tile, NSPLIT=NSPLIT,
-                  SP=pow2(S)),
+                  SLOTS_P=pow2(S)),
         num_warps=cfg.tile_fwd_warps, num_stages=cfg.tile_fwd_stages)
     return o, lse
 
@@ -629,7 +629,7 @@ def _tile_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, query_tile,
         q, k, v, do, lse, delta, dq, block_idx, *_strides(q, k, v, do, dq, block_idx),
         Tq, Tk, HKV, S, scale * LOG2E, scale,
         AttnShape(G, GP, BT, block_size, D, _dot_precision(q), QT=query_tile, NSPLIT=NSPLIT,
-                  SP=pow2(S)),
+                  SLOTS_P=pow2(S)),
         num_warps=cfg.tile_dq_warps, num_stages=cfg.tile_dq_stages)
     return dq
 

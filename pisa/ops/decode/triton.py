@@ -633,11 +633,11 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps, num_stages)
     B, _, HQ, D = q.shape
-    HKV, C, g = k_cache.shape[2], cfg.block_size, cfg.branching
+    HKV, C, branching = k_cache.shape[2], cfg.block_size, cfg.branching
     paged = block_table is not None
     T_max = block_table.shape[1] * C if paged else k_cache.shape[1]
     G = HQ // HKV
-    offsets = level_offsets(T_max, C, g)
+    offsets = level_offsets(T_max, C, branching)
     n_levels, n_leaves = len(offsets) - 1, offsets[1]
     W, WP, W2, W2P = beam_widths(cfg, n_leaves)
     bound = cfg.scorer == "bound"
@@ -685,13 +685,15 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         v_strides[0], v_strides[1:], table.stride(0), sums.stride(0), sums.stride()[1:3],
         o_strides[0], o_strides[1:], l_strides[0], l_strides[1:], block_idx.stride(0),
         block_idx.stride(2),
-        DecodeShape(G, max(pow2(G), _MIN_ROWS), D, C, C.bit_length() - 1, g, g.bit_length() - 1,
-                    W, WP, W2, W2P, min(2 * g * W2P, pow2(cfg.topk)), kps),
+        DecodeShape(G, max(pow2(G), _MIN_ROWS), D, C, C.bit_length() - 1, branching,
+                    branching.bit_length() - 1, W, WP, W2, W2P,
+                    min(2 * branching * W2P, pow2(cfg.topk)), kps),
         DecodeModes(bound, paged, cache_batch_idx is not None, return_block_idx), pick_of(cfg),
         # tiles: a level's candidates' fp32 child sums (maxs and mins: two), a parent's leaf
         # keys, a block's K and V
-        DecodeStages(_stages(stages, 2 * g * WP * D * 4 * (2 if bound else 1), g),
-                     _stages(stages, g * C * D * es, W2P + 3), _stages(stages, 2 * C * D * es, kps)),
+        DecodeStages(_stages(stages, 2 * branching * WP * D * 4 * (2 if bound else 1), branching),
+                     _stages(stages, branching * C * D * es, W2P + 3),
+                     _stages(stages, 2 * C * D * es, kps)),
         num_warps=num_warps or _NUM_WARPS, num_stages=stages)
     if splits > 1:
         _combine_kernel[(B, HQ)](out, out_lse, o, lse, HQ, o.stride(0), o.stride(2),
