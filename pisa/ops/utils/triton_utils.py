@@ -13,18 +13,18 @@ head (the GQA group), ``C`` keys a block, ``BRANCH`` the pyramid's branching (``
 
 Arguments
 ---------
-Pointers first, then strides and runtime sizes, then constexpr bundles; a kernel keeps the
-flattened order its parameters had (tuples flatten in place): the order decides how the compiler
-packs them into the constant bank (two adjacent 32-bit values load as one 64-bit word), hence its
-registers and schedule, and a reorder alone changed the SASS of the attention kernels. Each tensor's batch
-stride is an int64 scalar ``s_<x>b`` (its value passes 2**31 from ~256K tokens; a tuple element's
-integer type follows its value, so a tuple would switch it to int64 there, and recompile); its
-other strides come as one tuple ``s_<x>`` in dim order, ``q.stride()[1:3]`` for ``[B, T, H, D]``.
-Triton specializes tuple elements as it does scalar arguments (an element equal to 1 becomes a
-constant, one divisible by 16 carries that hint into the address arithmetic), so the compiled code
-is that of separate arguments. Runtime lengths stay scalars in ``do_not_specialize``, which does
-not reach into tuples: a length's divisibility must not recompile a kernel (``docs/design.md``,
-"Cold start").
+Pointers first, then strides and runtime sizes, then constexpr bundles. A kernel keeps the
+flattened order its parameters had (tuples flatten in place): moving the sizes before the strides
+changed the SASS of the attention kernels (how ptxas loads and schedules the parameters) while
+their PTX was the same. Each tensor's batch stride is an int64 scalar ``s_<x>b``: its value
+passes 2**31 from ~256K tokens, and a tuple element's integer type follows its value, so in a
+tuple it would turn int64 there and recompile the kernel. Its other strides come as one tuple
+``s_<x>`` in dim order (``strides_of``: ``x.stride()[1:3]`` of ``[B, T, H, D]``). Triton
+specializes tuple elements as it does scalar arguments (an element equal to 1 becomes a constant,
+one divisible by 16 carries that hint into the address arithmetic), so the compiled code is that
+of separate arguments. Runtime lengths stay scalars in ``do_not_specialize``, which does not reach
+into tuples: a length's divisibility must not recompile a kernel (``docs/design.md``, "Cold
+start").
 
 Compile-time sizes and switches come in ``typing.NamedTuple`` bundles by role (a kernel file's
 rows, tree, scoring ...), passed as one ``tl.constexpr`` and handed whole to the ``@triton.jit``

@@ -40,7 +40,8 @@ def triton_cfg(monkeypatch):
     """Replace Triton launch knobs (``AttnLaunch`` fields) for one test."""
     def set_cfg(**knobs):
         import pisa.ops.attn.triton as attn_triton
-        monkeypatch.setattr(attn_triton, "_LAUNCH", dataclasses.replace(attn_triton._LAUNCH, **knobs))
+        monkeypatch.setattr(attn_triton, "_LAUNCH",
+                            dataclasses.replace(attn_triton._LAUNCH, **knobs))
     return set_cfg
 
 
