@@ -18,7 +18,7 @@ walk equals prefill's):
   computes from ``t``, ``C`` and ``g`` how many top levels are like that, skips them, and starts
   at the first level with more free nodes, taking all free nodes of the level above as kept. From
   there the candidates are the children of the kept nodes of the level above and of its forced
-  nodes (``select.triton.candidates``), free ones only: always more than ``W``, so each is scored
+  nodes (``utils.walk_triton.candidates``), free ones only: always more than ``W``, so each is scored
   per head by the LSE over its children's means (``_child_lse``: the cache's sums over the
   children's key count, which is the full span, as every ranked node lies before the query),
   summed over heads, and ``tl.topk`` over packed (score, index) keys keeps ``W``. Per ranked level
@@ -38,7 +38,7 @@ walk equals prefill's):
   exact LSE. Only ranked nodes' children are read, which lie wholly before the query, so the
   ``+inf`` / ``-inf`` bounds of nodes past a sequence are never loaded.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
-  keys (``select.triton.leaf_keys`` and ``leaf_scores``: one ``[g * C, D]`` load and one dot
+  keys (``utils.walk_triton.leaf_keys`` and ``leaf_scores``: one ``[g * C, D]`` load and one dot
   per parent, the next parents' keys loading meanwhile); the best ``K - #forced`` free blocks
   (``K`` with ``forced_in_budget=False``) join the sink, previous and current blocks.
 - attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
@@ -84,13 +84,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..select.triton import candidates, forced_parents, leaf_keys, leaf_scores
 from ..utils.config import SelectConfig
 from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.op import (KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries, load_rows,
                         online_softmax_step, pack, selection_row, softmax_output, store_rows,
                         unpack_idx)
 from ..utils.triton_utils import DECODE_STAGE_SMEM, F32_PREC, constexpr_fields, pick_of
+from ..utils.walk_triton import candidates, forced_parents, leaf_keys, leaf_scores
 
 _HEAD_DIMS = (16, 32, 64, 128)
 _BRANCHINGS = (2, 4)
@@ -215,7 +215,7 @@ def _level_scores(b_q, b_qb, m_row, b_rest, n_rest, cur, shift, p_child, p_lo, s
                   SHAPE: tl.constexpr, BOUND: tl.constexpr, STAGES: tl.constexpr):
     """The candidates ``o_x [2 * BRANCH * WP]`` of the level whose nodes span ``2 ** shift``
     leaves (the children of the ``n_rest`` kept nodes ``b_rest [WP]`` of the level above and of
-    its forced nodes, ``select.triton.candidates``), which are free (``m_x``: causal, not
+    its forced nodes, ``utils.walk_triton.candidates``), which are free (``m_x``: causal, not
     forced), and their group scores (``_child_lse`` per head, summed over the real heads
     ``m_row``); the children's rows start at ``p_child`` (and ``p_lo``, the mins, for
     ``BOUND``)."""
@@ -388,7 +388,7 @@ def _decode_kernel(
 
     # Ranked levels: each has more than W candidates (the first by the skip, the next ones
     # BRANCH * W children of the W kept nodes at least), so W are kept. The candidates are the
-    # children of the kept and of the forced nodes above (select_triton.candidates), scored per
+    # children of the kept and of the forced nodes above (walk_triton.candidates), scored per
     # head by the LSE over their children's means (or bounds), summed over heads.
     for _ in range(n_skip, n_hi):
         sc = shift - LOG_BRANCH  # the children's shift

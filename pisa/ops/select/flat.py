@@ -23,8 +23,9 @@ from ..utils.launch import FlatSelectLaunch
 from ..utils.op import (KEY_NONE, dot_nt_f32, empty, key_scores, pack, selection_row,
                         store_selection, token_sums)
 from ..utils.triton_utils import F32_PREC, constexpr_fields, pick_of, strides_of
-from .triton import (REDUCE_ID, SCORER_ID, key_logits, mean_rows, rows_at, sequence_start,
-                     split_rows, tile_token_scores)
+from ..utils.walk_triton import key_logits
+from .triton import (REDUCE_ID, SCORER_ID, mean_rows, rows_at, sequence_start, split_rows,
+                     tile_token_scores)
 
 
 @constexpr_fields
