@@ -373,6 +373,8 @@ def _dkv_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_part_k, p_par
     QT: tl.constexpr = SHAPE.QT
     NSUB: tl.constexpr = QT // BT
     s_qt, s_qh = s_q
+    s_kt, s_kh = s_k
+    s_vt, s_vh = s_v
     s_dot, s_doh = s_do
     p_item = p_items + tl.program_id(0) * 5
     key, start, end = tl.load(p_item), tl.load(p_item + 1), tl.load(p_item + 2)
@@ -381,8 +383,8 @@ def _dkv_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_part_k, p_par
     # 64-bit ones cost 3 ms of 53 at 128K (items are int64 for their token offsets)
     i_bh, i_c = key // n_blocks, (key % n_blocks).to(tl.int32)
     i_b, i_h = (i_bh // HKV).to(tl.int64), (i_bh % HKV).to(tl.int64)
-    p_kh, p_vh, s_kt, s_vt = _kv_heads(p_k, p_v, i_b, i_h, s_kb, s_k, s_vb, s_v)
-    b_k, b_v, o_key = _load_block(p_kh, p_vh, s_kt, s_vt, i_c, Tk, C, D)
+    b_k, b_v, o_key = _load_block(p_k + i_b * s_kb + i_h * s_kh, p_v + i_b * s_vb + i_h * s_vh,
+                                  s_kt, s_vt, i_c, Tk, C, D)
     m_key = o_key < Tk
     o_m = tl.arange(0, SHAPE.NT * BT * GP)
     o_e = o_m // (BT * GP)  # list entry within the step
@@ -403,8 +405,9 @@ def _dkv_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_part_k, p_par
         o_tok64 = o_tok.to(tl.int64)
         b_q = load_rows(p_q + i_b * s_qb, o_tok64 * s_qt + o_head * s_qh, m_row, D)
         b_do = load_rows(p_do + i_b * s_dob, o_tok64 * s_dot + o_head * s_doh, m_row, D)
-        b_lse2, b_delta = _row_stats(p_lse, p_delta, i_b, o_tok, o_head, m_row, Tq, HKV,
-                                     SHAPE.G)
+        o_stat = (i_b * HKV * SHAPE.G + o_head) * Tq + o_tok
+        b_lse2 = tl.load(p_lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
+        b_delta = tl.load(p_delta + o_stat, mask=m_row, other=0.0)
         # transposed scores [C, rows]: the block's keys are the long side of every product
         b_st = tl.dot(b_k, tl.trans(b_q), input_precision=SHAPE.DOT_PREC) * scale_log2
         m_st = m_row[None, :] & (o_key[:, None] <= (t0 + o_tok)[None, :])
