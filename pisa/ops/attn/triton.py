@@ -53,7 +53,7 @@ from ..utils.geometry import cdiv, pow2
 from ..utils.launch import AttnLaunch
 from ..utils.op import (LOG2E, LOG2E_K, empty, load_rows, online_softmax_step, softmax_output,
                         store_rows)
-from ..utils.triton_utils import constexpr_fields, strides_of
+from ..utils.triton_utils import strides_of
 
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 # keys per K/V tile: larger blocks run as several tiles, so the dK/dV accumulators fit in registers
@@ -62,7 +62,6 @@ _KEY_TILE = 64
 _MAX_TILE_TOKENS = 64
 
 
-@constexpr_fields
 class AttnShape(NamedTuple):
     """The compile-time shape of an attention program (one ``tl.constexpr``; names as in
     ``utils.triton_utils``). Its rows are ``BT`` query tokens x ``GP`` heads of one GQA group,
@@ -174,7 +173,9 @@ def _fwd_kernel(p_q, p_k, p_v, p_o, p_lse, p_union, p_bits, p_n_union,
     """Per-token forward: ``o [B, Tq, HQ, D]``, ``lse [B, HQ, Tq]`` of one token tile's rows
     (``p_union / p_bits [B * HKV, n_tiles, U]``, ``p_n_union [B * HKV, n_tiles]``: the tile's
     union of blocks, ``_tile_union``)."""
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
     ROWS: tl.constexpr = SHAPE.BT * SHAPE.GP
+    D: tl.constexpr = SHAPE.D
     i_b, o_tok, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, t_abs, i_list, o_list = _token_setup(
         p_q, p_k, p_v, s_qb, s_q, s_kb, s_k, s_vb, s_v, Tq, Tk, HKV, n_tiles, U, SHAPE)
     o_bit = tl.arange(0, ROWS) // SHAPE.GP
@@ -182,15 +183,15 @@ def _fwd_kernel(p_q, p_k, p_v, p_o, p_lse, p_union, p_bits, p_n_union,
 
     b_m = tl.full([ROWS], float("-inf"), tl.float32)  # running max, log2 domain
     b_l = tl.zeros([ROWS], tl.float32)
-    b_acc = tl.zeros([ROWS, SHAPE.D], tl.float32)
+    b_acc = tl.zeros([ROWS, D], tl.float32)
     for i in tl.range(tl.load(p_n_union + i_list)):
         b_k, b_v, m_s = _union_block(p_ub + i, p_bb + i, o_bit, t_abs, p_kh, p_vh, s_kt, s_vt,
-                                     Tk, SHAPE.C, SHAPE.D)
-        b_s = tl.where(m_s, _scores(b_q, b_k, scale_log2, SHAPE.DOT_PREC), float("-inf"))
-        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, SHAPE.DOT_PREC)
+                                     Tk, SHAPE.C, D)
+        b_s = tl.where(m_s, _scores(b_q, b_k, scale_log2, DOT_PREC), float("-inf"))
+        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
 
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
-    store_rows(p_o + i_b * s_ob, _row_offsets(o_tok, o_head, s_o), m_row, b_o, SHAPE.D)
+    store_rows(p_o + i_b * s_ob, _row_offsets(o_tok, o_head, s_o), m_row, b_o, D)
     tl.store(p_lse + (i_b * HKV * SHAPE.G + o_head) * Tq + o_tok, b_lse, mask=m_row)
 
 
@@ -222,23 +223,26 @@ def _dq_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dq, p_union, p_bits, p_n_u
                Tq, Tk, HKV, n_tiles, U, scale_log2, scale,
                SHAPE: tl.constexpr):
     """Per-token dQ ``[B, Tq, HQ, D]`` of one token tile's rows."""
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
+    ROWS: tl.constexpr = SHAPE.BT * SHAPE.GP
+    D: tl.constexpr = SHAPE.D
     i_b, o_tok, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, t_abs, i_list, o_list = _token_setup(
         p_q, p_k, p_v, s_qb, s_q, s_kb, s_k, s_vb, s_v, Tq, Tk, HKV, n_tiles, U, SHAPE)
-    b_do = load_rows(p_do + i_b * s_dob, _row_offsets(o_tok, o_head, s_do), m_row, SHAPE.D)
+    b_do = load_rows(p_do + i_b * s_dob, _row_offsets(o_tok, o_head, s_do), m_row, D)
     b_lse2, b_delta = _row_stats(p_lse, p_delta, i_b, o_tok, o_head, m_row, Tq, HKV, SHAPE.G)
-    o_bit = tl.arange(0, SHAPE.BT * SHAPE.GP) // SHAPE.GP
+    o_bit = tl.arange(0, ROWS) // SHAPE.GP
     p_ub, p_bb = p_union + o_list, p_bits + o_list
 
-    b_dq = tl.zeros([SHAPE.BT * SHAPE.GP, SHAPE.D], tl.float32)
+    b_dq = tl.zeros([ROWS, D], tl.float32)
     for i in tl.range(tl.load(p_n_union + i_list)):
         b_k, b_v, m_s = _union_block(p_ub + i, p_bb + i, o_bit, t_abs, p_kh, p_vh, s_kt, s_vt,
-                                     Tk, SHAPE.C, SHAPE.D)
+                                     Tk, SHAPE.C, D)
         # where, not a -inf score: a row with no key at all has lse = -inf
-        b_p = tl.where(m_s, tl.exp2(_scores(b_q, b_k, scale_log2, SHAPE.DOT_PREC)
+        b_p = tl.where(m_s, tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC)
                                     - b_lse2[:, None]), 0.0)
-        b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, SHAPE.DOT_PREC)
+        b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC)
     o_dq = _row_offsets(o_tok, o_head, s_dq)
-    store_rows(p_dq + i_b * s_dqb, o_dq, m_row, b_dq * scale, SHAPE.D)
+    store_rows(p_dq + i_b * s_dqb, o_dq, m_row, b_dq * scale, D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,28 +298,30 @@ def _tile_fwd_kernel(p_q, p_k, p_v, p_o, p_lse, p_idx,
                      SHAPE: tl.constexpr):
     """Tile forward: ``o [B, Tq, HQ, D]``, ``lse [B, HQ, Tq]`` of one tile part's rows, over the
     blocks of ``block_idx [B, n_tiles, HKV, S]`` (``p_idx``) row ``(b, tile, h)``."""
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
     ROWS: tl.constexpr = SHAPE.BT * SHAPE.GP
+    D: tl.constexpr = SHAPE.D
     i_b, o_tok, o_pos, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, p_sel, n_free, n_sel = \
         _tile_setup(p_q, p_k, p_v, p_idx, s_qb, s_q, s_kb, s_k, s_vb, s_v, s_ib, s_i, Tq, Tk,
                     HKV, S, SHAPE)
 
     b_m = tl.full([ROWS], float("-inf"), tl.float32)  # running max, log2 domain
     b_l = tl.zeros([ROWS], tl.float32)
-    b_acc = tl.zeros([ROWS, SHAPE.D], tl.float32)
+    b_acc = tl.zeros([ROWS, D], tl.float32)
     for i in tl.range(n_free):  # blocks entirely before the part: every key is seen
         b_k, b_v, _ = _load_block(p_kh, p_vh, s_kt, s_vt, tl.load(p_sel + i), Tk, SHAPE.C,
-                                  SHAPE.D)
-        b_m, b_l, b_acc = online_softmax_step(_scores(b_q, b_k, scale_log2, SHAPE.DOT_PREC),
-                                              b_v, b_m, b_l, b_acc, SHAPE.DOT_PREC)
+                                  D)
+        b_m, b_l, b_acc = online_softmax_step(_scores(b_q, b_k, scale_log2, DOT_PREC),
+                                              b_v, b_m, b_l, b_acc, DOT_PREC)
     for i in tl.range(n_free, n_sel):  # the tile's own block (and any later one): causal
         b_k, b_v, o_key = _load_block(p_kh, p_vh, s_kt, s_vt, tl.load(p_sel + i), Tk, SHAPE.C,
-                                      SHAPE.D)
+                                      D)
         b_s = tl.where(o_key[None, :] <= o_pos[:, None],
-                       _scores(b_q, b_k, scale_log2, SHAPE.DOT_PREC), float("-inf"))
-        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, SHAPE.DOT_PREC)
+                       _scores(b_q, b_k, scale_log2, DOT_PREC), float("-inf"))
+        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
 
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
-    store_rows(p_o + i_b * s_ob, _row_offsets(o_tok, o_head, s_o), m_row, b_o, SHAPE.D)
+    store_rows(p_o + i_b * s_ob, _row_offsets(o_tok, o_head, s_o), m_row, b_o, D)
     tl.store(p_lse + (i_b * HKV * SHAPE.G + o_head) * Tq + o_tok, b_lse, mask=m_row)
 
 
@@ -326,28 +332,31 @@ def _tile_dq_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dq, p_idx,
                     Tq, Tk, HKV, S, scale_log2, scale,
                     SHAPE: tl.constexpr):
     """Tile dQ ``[B, Tq, HQ, D]`` of one tile part's rows."""
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
+    ROWS: tl.constexpr = SHAPE.BT * SHAPE.GP
+    D: tl.constexpr = SHAPE.D
     i_b, o_tok, o_pos, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, p_sel, n_free, n_sel = \
         _tile_setup(p_q, p_k, p_v, p_idx, s_qb, s_q, s_kb, s_k, s_vb, s_v, s_ib, s_i, Tq, Tk,
                     HKV, S, SHAPE)
-    b_do = load_rows(p_do + i_b * s_dob, _row_offsets(o_tok, o_head, s_do), m_row, SHAPE.D)
+    b_do = load_rows(p_do + i_b * s_dob, _row_offsets(o_tok, o_head, s_do), m_row, D)
     b_lse2, b_delta = _row_stats(p_lse, p_delta, i_b, o_tok, o_head, m_row, Tq, HKV, SHAPE.G)
 
-    b_dq = tl.zeros([SHAPE.BT * SHAPE.GP, SHAPE.D], tl.float32)
+    b_dq = tl.zeros([ROWS, D], tl.float32)
     for i in tl.range(n_free):
         b_k, b_v, _ = _load_block(p_kh, p_vh, s_kt, s_vt, tl.load(p_sel + i), Tk, SHAPE.C,
-                                  SHAPE.D)
-        b_p = tl.exp2(_scores(b_q, b_k, scale_log2, SHAPE.DOT_PREC) - b_lse2[:, None])
-        b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, SHAPE.DOT_PREC)
+                                  D)
+        b_p = tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC) - b_lse2[:, None])
+        b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC)
     for i in tl.range(n_free, n_sel):
         b_k, b_v, o_key = _load_block(p_kh, p_vh, s_kt, s_vt, tl.load(p_sel + i), Tk, SHAPE.C,
-                                      SHAPE.D)
+                                      D)
         # where, not a -inf score: a row that sees no key at all has lse = -inf
         b_p = tl.where(o_key[None, :] <= o_pos[:, None],
-                       tl.exp2(_scores(b_q, b_k, scale_log2, SHAPE.DOT_PREC) - b_lse2[:, None]),
+                       tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC) - b_lse2[:, None]),
                        0.0)
-        b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, SHAPE.DOT_PREC)
+        b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC)
     o_dq = _row_offsets(o_tok, o_head, s_dq)
-    store_rows(p_dq + i_b * s_dqb, o_dq, m_row, b_dq * scale, SHAPE.D)
+    store_rows(p_dq + i_b * s_dqb, o_dq, m_row, b_dq * scale, D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,6 +375,7 @@ def _dkv_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_part_k, p_par
     only with ``BT = QT``; a tile larger than a step takes ``QT / BT`` steps). Writes the block's
     ``dk, dv`` rows (fp32 ``[B, Tk, HKV, D]``), or adds to them (``ATOMIC``), or writes its
     chunk's partial sums to scratch row ``slot`` of ``p_part_k, p_part_v [n_parts, C, D]``."""
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
     C: tl.constexpr = SHAPE.C
     D: tl.constexpr = SHAPE.D
     GP: tl.constexpr = SHAPE.GP
@@ -409,13 +419,13 @@ def _dkv_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_part_k, p_par
         b_lse2 = tl.load(p_lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
         b_delta = tl.load(p_delta + o_stat, mask=m_row, other=0.0)
         # transposed scores [C, rows]: the block's keys are the long side of every product
-        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=SHAPE.DOT_PREC) * scale_log2
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale_log2
         m_st = m_row[None, :] & (o_key[:, None] <= (t0 + o_tok)[None, :])
         b_pt = tl.where(m_st, tl.exp2(b_st - b_lse2[None, :]), 0.0)
-        b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=SHAPE.DOT_PREC)
-        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=SHAPE.DOT_PREC)
+        b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
-        b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=SHAPE.DOT_PREC)
+        b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=DOT_PREC)
     b_dk *= scale
 
     o_out = (i_b * Tk + o_key) * HKV * D + i_h * D  # dk, dv: contiguous fp32 [B, Tk, HKV, D]

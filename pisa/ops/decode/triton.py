@@ -89,7 +89,7 @@ from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.op import (KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries, load_rows,
                         online_softmax_step, pack, selection_row, softmax_output, store_rows,
                         unpack_idx)
-from ..utils.triton_utils import DECODE_STAGE_SMEM, F32_PREC, constexpr_fields, pick_of
+from ..utils.triton_utils import DECODE_STAGE_SMEM, F32_PREC, pick_of
 from ..utils.walk_triton import candidates, forced_parents, leaf_keys, leaf_scores
 
 _HEAD_DIMS = (16, 32, 64, 128)
@@ -116,7 +116,6 @@ _NUM_WARPS = 8
 _NUM_STAGES = 3
 
 
-@constexpr_fields
 class DecodeShape(NamedTuple):
     """A decode program's compile-time shape (one ``tl.constexpr``; names as in
     ``utils.triton_utils``)."""
@@ -136,7 +135,6 @@ class DecodeShape(NamedTuple):
     KPS: int         # selected blocks a split attends
 
 
-@constexpr_fields
 class DecodeModes(NamedTuple):
     BOUND: bool      # rank internal nodes by key bounds (``scorer="bound"``)
     PAGED: bool      # a paged cache: blocks through the page table
@@ -144,7 +142,6 @@ class DecodeModes(NamedTuple):
     WRITE_IDX: bool  # also write the selection
 
 
-@constexpr_fields
 class DecodeStages(NamedTuple):
     """Software pipelining of the kernel's loops (``_stages``)."""
 

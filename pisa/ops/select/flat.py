@@ -22,13 +22,12 @@ from ..utils.geometry import cdiv, pow2
 from ..utils.launch import FlatSelectLaunch
 from ..utils.op import (KEY_NONE, dot_nt_f32, empty, key_scores, pack, selection_row,
                         store_selection, token_sums)
-from ..utils.triton_utils import F32_PREC, constexpr_fields, pick_of, strides_of
+from ..utils.triton_utils import F32_PREC, pick_of, strides_of
 from ..utils.walk_triton import key_logits
 from .triton import (REDUCE_ID, SCORER_ID, mean_rows, rows_at, sequence_start, split_rows,
                      tile_token_scores)
 
 
-@constexpr_fields
 class Scan(NamedTuple):
     """A flat-scan program (one ``tl.constexpr``): ``BT`` selection rows (tiles of ``QT``
     positions) of ``QR`` row tokens x ``GP`` heads each, against the causal blocks in chunks."""
@@ -46,7 +45,6 @@ class Scan(NamedTuple):
     LB: int     # blocks a key load (LB * C rows)
 
 
-@constexpr_fields
 class FlatScoring(NamedTuple):
     """How the scan scores a block for a tile."""
 

@@ -66,7 +66,7 @@ from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.launch import SelectLaunch
 from ..utils.op import (KEY_NONE, LN2_K, LOG2E_K, device_offsets, dot_nt, empty, pack,
                         selection_row, store_selection, unpack_idx)
-from ..utils.triton_utils import (F32_PREC, SELECT_STAGE_SMEM, SLOT_NONE, constexpr_fields,
+from ..utils.triton_utils import (F32_PREC, SELECT_STAGE_SMEM, SLOT_NONE,
                                   pick_of, strides_of)
 from ..utils.walk_triton import candidates, forced_parents, leaf_keys, leaf_tile_scores
 
@@ -80,7 +80,6 @@ REDUCE_ID = {"sum": 0, "lse": 1, "qmean": 0}
 WALK_ROWS = 64
 
 
-@constexpr_fields
 class Rows(NamedTuple):
     """A tile's query rows in the walk and the leaf stage (one ``tl.constexpr``). Row
     ``i * GP + h`` of a chunk is head ``h`` of its ``i``-th token; a tile's rows come ``TB``
@@ -98,7 +97,6 @@ class Rows(NamedTuple):
     REDUCE: int  # how a tile's tokens fold: 0 sum, 1 log-sum-exp (REDUCE_ID)
 
 
-@constexpr_fields
 class Tree(NamedTuple):
     """The walk's geometry: block size, branching and beams, and their register widths."""
 
@@ -113,7 +111,6 @@ class Tree(NamedTuple):
     PAR_SLOTS_P: int  # PAR_SLOTS padded to a power of two
 
 
-@constexpr_fields
 class Scoring(NamedTuple):
     """How the walk scores a candidate from its children's summaries."""
 

@@ -28,10 +28,12 @@ start").
 
 Compile-time sizes and switches come in ``typing.NamedTuple`` bundles by role (a kernel file's
 rows, tree, scoring ...), passed as one ``tl.constexpr`` and handed whole to the ``@triton.jit``
-helpers; a field reads as ``ROWS.GP`` and is a constexpr like a separate argument. A bundle class
-is decorated with ``constexpr_fields``: the compiler reads a field of a constexpr tuple as a plain
-Python value, which it takes as a bound or an operand but not inside a shape list
-(``tl.zeros([ROWS.BT, ROWS.D])`` fails to compile, while the interpreter runs it).
+helpers; a field reads as ``ROWS.GP``. The compiler reads a field of a constexpr tuple as a plain
+Python value: fine as a bound, an operand or an int / bool argument of a helper, but a shape list
+and a string argument need constexprs (``tl.zeros([ROWS.TB, ROWS.D])`` fails to compile, while
+the interpreter runs it), so a kernel binds such a field first: ``TB: tl.constexpr = ROWS.TB``. (Bundles holding
+``tl.constexpr`` fields would lift that rule, at ~20 us more host time a launch: building them
+and Triton's hashing and comparing them in its kernel-cache key.)
 """
 from __future__ import annotations
 
@@ -42,7 +44,6 @@ import triton.language as tl
 
 from .config import SelectConfig
 from .geometry import pow2
-from .interpreter import interpreting
 from .op import F32_PRECISION
 
 # tl.dot precision of fp32 operands (``op.F32_PRECISION``) for the kernels' own dots.
@@ -60,24 +61,6 @@ SELECT_STAGE_SMEM = 160_000
 DECODE_STAGE_SMEM = 128 * 1024
 
 
-def constexpr_fields(cls):
-    """Class decorator of a ``typing.NamedTuple`` bundle: its instances hold every field as a
-    ``tl.constexpr``, so a compiled kernel may use ``BUNDLE.X`` anywhere a constexpr goes. Under
-    the interpreter the fields stay plain values, as constexpr arguments do there (the
-    interpreter's ``constexpr`` lacks Python's reflected operators: ``i % NSUB``)."""
-    make = cls.__new__
-
-    def __new__(klass, *args, **kwargs):
-        bundle = make(klass, *args, **kwargs)
-        if interpreting():
-            return bundle
-        return tuple.__new__(klass, [tl.constexpr(v) for v in bundle])
-
-    cls.__new__ = staticmethod(__new__)
-    return cls
-
-
-@constexpr_fields
 class Pick(NamedTuple):
     """How a selection row is filled (``op.selection_row`` / ``op.store_selection``): the best
     ``TOPK`` blocks (``TOPK`` free ones beside the forced blocks unless ``IN_BUDGET``), ascending
