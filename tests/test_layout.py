@@ -104,4 +104,4 @@ def test_the_check_sees_imports():
     graph = _graph()
     assert "pisa.ops.select.torch_backend" in graph["pisa.ops.select"]
     assert "pisa.ops.utils.config" in graph["pisa.api"]
-    assert "pisa.ops.select.triton" in graph["pisa.ops.decode.triton"]
+    assert "pisa.ops.utils.walk_triton" in graph["pisa.ops.decode.triton"]

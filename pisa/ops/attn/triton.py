@@ -41,7 +41,7 @@ element is written).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +50,11 @@ import triton.language as tl
 
 from ..utils.csr import block_work_items
 from ..utils.geometry import cdiv, pow2
+from ..utils.launch import AttnLaunch
 from ..utils.op import (LOG2E, LOG2E_K, empty, load_rows, online_softmax_step, softmax_output,
                         store_rows)
+from ..utils.triton_utils import strides_of
+
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 # keys per K/V tile: larger blocks run as several tiles, so the dK/dV accumulators fit in registers
 _KEY_TILE = 64
@@ -59,23 +62,40 @@ _KEY_TILE = 64
 _MAX_TILE_TOKENS = 64
 
 
+class AttnShape(NamedTuple):
+    """The compile-time shape of an attention program (one ``tl.constexpr``; names as in
+    ``utils.triton_utils``). Its rows are ``BT`` query tokens x ``GP`` heads of one GQA group,
+    token-major."""
+
+    G: int          # query heads per KV head
+    GP: int         # rows a token: G padded to a power of two
+    BT: int         # query tokens a program (per-token, tile part) or a dK/dV list entry
+    C: int          # keys a block (the kernels' key tile)
+    D: int          # head dim
+    DOT_PREC: str   # tl.dot input precision: "ieee" for fp32 inputs, else "tf32"
+    QT: int = 1     # query positions a selection row (``query_tile``; 1: per token)
+    NSPLIT: int = 1  # programs (parts of BT tokens) a query tile (tile forward / dQ)
+    SLOTS_P: int = 1  # selection slots a row, padded (tile forward / dQ)
+    NT: int = 1     # list entries a dK/dV step gathers
+
+
 # ----------------------------------------------------------------------------------------------
 # kernels: shared pieces
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _group_rows(i_t, T_Q, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
+def _group_rows(i_t, Tq, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
     """Token, head within the group, and validity of the ``BT * GP`` rows of token tile ``i_t``."""
     o_m = tl.arange(0, BT * GP)
     o_tok = i_t * BT + o_m // GP
     o_hh = o_m % GP
-    return o_tok, o_hh, (o_tok < T_Q) & (o_hh < G)
+    return o_tok, o_hh, (o_tok < Tq) & (o_hh < G)
 
 
 @triton.jit
-def _load_block(p_k, p_v, s_kt, s_vt, i_blk, T_K, C: tl.constexpr, D: tl.constexpr):
-    """K, V ``[C, D]`` of key block ``i_blk`` (zero past ``T_K``) and its key positions ``[C]``."""
+def _load_block(p_k, p_v, s_kt, s_vt, i_blk, Tk, C: tl.constexpr, D: tl.constexpr):
+    """K, V ``[C, D]`` of key block ``i_blk`` (zero past ``Tk``) and its key positions ``[C]``."""
     o_key = i_blk * C + tl.arange(0, C)
-    m_key = o_key < T_K
+    m_key = o_key < Tk
     b_k = load_rows(p_k, o_key.to(tl.int64) * s_kt, m_key, D)
     return b_k, load_rows(p_v, o_key.to(tl.int64) * s_vt, m_key, D), o_key
 
@@ -94,271 +114,310 @@ def _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC: tl.constexpr):
     return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PREC)
 
 
+@triton.jit
+def _kv_heads(p_k, p_v, i_b, i_h, s_kb, s_k, s_vb, s_v):
+    """The K and V pointers of batch ``i_b``, KV head ``i_h``, and their token strides."""
+    s_kt, s_kh = s_k
+    s_vt, s_vh = s_v
+    return p_k + i_b * s_kb + i_h * s_kh, p_v + i_b * s_vb + i_h * s_vh, s_kt, s_vt
+
+
+@triton.jit
+def _row_offsets(o_tok, o_head, s_x):
+    """Element offsets ``[rows]`` of rows (token ``o_tok``, head ``o_head``) of a ``[T, H, D]``
+    tensor of token and head strides ``s_x``."""
+    s_xt, s_xh = s_x
+    return o_tok.to(tl.int64) * s_xt + o_head * s_xh
+
+
 # ----------------------------------------------------------------------------------------------
 # kernels: per-token selections (forward, dQ)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _union_block(p_union, p_bits, o_bit, t_abs, p_k, p_v, s_kt, s_vt, T_K,
+def _union_block(p_union, p_bits, o_bit, t_abs, p_k, p_v, s_kt, s_vt, Tk,
                  C: tl.constexpr, D: tl.constexpr):
     """K, V [C, D] of the union block at ``p_union``, and the [rows, C] mask of the keys each row
     sees."""
-    b_k, b_v, o_key = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_union), T_K, C, D)
-    # a row sees the block only if its token chose it; t_abs < T_K also masks the ragged tail
+    b_k, b_v, o_key = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_union), Tk, C, D)
+    # a row sees the block only if its token chose it; t_abs < Tk also masks the ragged tail
     hit = ((tl.load(p_bits) >> o_bit) & 1) != 0
     return b_k, b_v, hit[:, None] & (o_key[None, :] <= t_abs[:, None])
 
 
 @triton.jit
-def _token_setup(q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U,
-                 G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
+def _token_setup(p_q, p_k, p_v, s_qb, s_q, s_kb, s_k, s_vb, s_v, Tq, Tk, HKV, n_tiles, U,
+                 SHAPE: tl.constexpr):
     """What the forward and dQ programs of one (token tile, batch x KV head) share: the tile's
-    rows, its queries ``[BT * GP, D]``, the K/V base pointers and its union-list pointers."""
+    rows, its queries ``[BT * GP, D]``, the K/V base pointers and token strides and its
+    union-list pointers."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     # 64-bit: head strides of a head-major view times the head index pass 2**31 at 1M tokens
     i_b, i_h = (i_bh // HKV).to(tl.int64), (i_bh % HKV).to(tl.int64)
-    o_tok, o_hh, m_row = _group_rows(i_t, T_Q, BT, G, GP)
-    o_head = i_h * G + o_hh
-    b_q = load_rows(q + i_b * s_qb, o_tok.to(tl.int64) * s_qt + o_head * s_qh, m_row, D)
-    i_list = i_bh * N_TILES + i_t
-    return (i_b, o_tok, o_head, m_row, b_q, k + i_b * s_kb + i_h * s_kh,
-            v + i_b * s_vb + i_h * s_vh, T_K - T_Q + o_tok, i_list, i_list.to(tl.int64) * U)
+    o_tok, o_hh, m_row = _group_rows(i_t, Tq, SHAPE.BT, SHAPE.G, SHAPE.GP)
+    o_head = i_h * SHAPE.G + o_hh
+    b_q = load_rows(p_q + i_b * s_qb, _row_offsets(o_tok, o_head, s_q), m_row, SHAPE.D)
+    p_kh, p_vh, s_kt, s_vt = _kv_heads(p_k, p_v, i_b, i_h, s_kb, s_k, s_vb, s_v)
+    i_list = i_bh * n_tiles + i_t
+    return (i_b, o_tok, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, Tk - Tq + o_tok, i_list,
+            i_list.to(tl.int64) * U)
 
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
 # each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
 # 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
-@triton.jit(do_not_specialize=["T_Q", "T_K", "N_TILES"])
-def _fwd_kernel(q, k, v, o, lse, union, bits, n_union,
-                s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
-                s_ob: tl.int64, s_ot, s_oh,
-                T_Q, T_K, HKV, N_TILES, U, scale_log2,
-                G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
-                C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Per-token forward: ``o [B, Tq, HQ, D]``, ``lse [B, HQ, Tq]`` of one token tile's rows."""
-    i_b, o_tok, o_head, m_row, b_q, p_k, p_v, t_abs, i_list, o_list = _token_setup(
-        q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U, G, GP, BT, D)
-    o_bit = tl.arange(0, BT * GP) // GP
-    p_union, p_bits = union + o_list, bits + o_list
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles"])
+def _fwd_kernel(p_q, p_k, p_v, p_o, p_lse, p_union, p_bits, p_n_union,
+                s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_vb: tl.int64, s_v, s_ob: tl.int64, s_o,
+                Tq, Tk, HKV, n_tiles, U, scale_log2,
+                SHAPE: tl.constexpr):
+    """Per-token forward: ``o [B, Tq, HQ, D]``, ``lse [B, HQ, Tq]`` of one token tile's rows
+    (``p_union / p_bits [B * HKV, n_tiles, U]``, ``p_n_union [B * HKV, n_tiles]``: the tile's
+    union of blocks, ``_tile_union``)."""
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
+    ROWS: tl.constexpr = SHAPE.BT * SHAPE.GP
+    D: tl.constexpr = SHAPE.D
+    i_b, o_tok, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, t_abs, i_list, o_list = _token_setup(
+        p_q, p_k, p_v, s_qb, s_q, s_kb, s_k, s_vb, s_v, Tq, Tk, HKV, n_tiles, U, SHAPE)
+    o_bit = tl.arange(0, ROWS) // SHAPE.GP
+    p_ub, p_bb = p_union + o_list, p_bits + o_list
 
-    b_m = tl.full([BT * GP], float("-inf"), tl.float32)  # running max, log2 domain
-    b_l = tl.zeros([BT * GP], tl.float32)
-    b_acc = tl.zeros([BT * GP, D], tl.float32)
-    for i in tl.range(tl.load(n_union + i_list)):
-        b_k, b_v, m_s = _union_block(p_union + i, p_bits + i, o_bit, t_abs, p_k, p_v,
-                                     s_kt, s_vt, T_K, C, D)
+    b_m = tl.full([ROWS], float("-inf"), tl.float32)  # running max, log2 domain
+    b_l = tl.zeros([ROWS], tl.float32)
+    b_acc = tl.zeros([ROWS, D], tl.float32)
+    for i in tl.range(tl.load(p_n_union + i_list)):
+        b_k, b_v, m_s = _union_block(p_ub + i, p_bb + i, o_bit, t_abs, p_kh, p_vh, s_kt, s_vt,
+                                     Tk, SHAPE.C, D)
         b_s = tl.where(m_s, _scores(b_q, b_k, scale_log2, DOT_PREC), float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
 
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
-    store_rows(o + i_b * s_ob, o_tok.to(tl.int64) * s_ot + o_head * s_oh, m_row, b_o, D)
-    tl.store(lse + (i_b * HKV * G + o_head) * T_Q + o_tok, b_lse, mask=m_row)
+    store_rows(p_o + i_b * s_ob, _row_offsets(o_tok, o_head, s_o), m_row, b_o, D)
+    tl.store(p_lse + (i_b * HKV * SHAPE.G + o_head) * Tq + o_tok, b_lse, mask=m_row)
 
 
-@triton.jit(do_not_specialize=["T_Q"])
-def _delta_kernel(o, do, delta, s_ob: tl.int64, s_ot, s_oh, s_gb: tl.int64, s_gt, s_gh, T_Q,
+@triton.jit(do_not_specialize=["Tq"])
+def _delta_kernel(p_o, p_do, p_delta, s_ob: tl.int64, s_o, s_dob: tl.int64, s_do, Tq,
                   H: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
     """delta[b, h, t] = rowsum(dO * O) for all heads of ``BT`` tokens."""
     i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    o_tok, o_head, m_row = _group_rows(i_t, T_Q, BT, H, HP)
-    o_tok64, o_head = o_tok.to(tl.int64), o_head.to(tl.int64)
-    b_o = load_rows(o + i_b * s_ob, o_tok64 * s_ot + o_head * s_oh, m_row, D).to(tl.float32)
-    b_do = load_rows(do + i_b * s_gb, o_tok64 * s_gt + o_head * s_gh, m_row, D).to(tl.float32)
-    tl.store(delta + (i_b * H + o_head) * T_Q + o_tok, tl.sum(b_o * b_do, 1), mask=m_row)
+    o_tok, o_head, m_row = _group_rows(i_t, Tq, BT, H, HP)
+    o_head = o_head.to(tl.int64)
+    b_o = load_rows(p_o + i_b * s_ob, _row_offsets(o_tok, o_head, s_o), m_row, D).to(tl.float32)
+    b_do = load_rows(p_do + i_b * s_dob, _row_offsets(o_tok, o_head, s_do), m_row,
+                     D).to(tl.float32)
+    tl.store(p_delta + (i_b * H + o_head) * Tq + o_tok, tl.sum(b_o * b_do, 1), mask=m_row)
 
 
-@triton.jit(do_not_specialize=["T_Q", "T_K", "N_TILES"])
-def _dq_kernel(q, k, v, do, lse, delta, dq, union, bits, n_union,
-               s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
-               s_gb: tl.int64, s_gt, s_gh,
-               s_db: tl.int64, s_dt, s_dh,
-               T_Q, T_K, HKV, N_TILES, U, scale_log2, scale,
-               G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
-               C: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr):
+@triton.jit
+def _row_stats(p_lse, p_delta, i_b, o_tok, o_head, m_row, Tq, HKV, G: tl.constexpr):
+    """The rows' forward LSE in log2 units and ``delta`` (``[B, HQ, Tq]`` fp32 each)."""
+    o_stat = (i_b * HKV * G + o_head) * Tq + o_tok
+    b_lse2 = tl.load(p_lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
+    return b_lse2, tl.load(p_delta + o_stat, mask=m_row, other=0.0)
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles"])
+def _dq_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dq, p_union, p_bits, p_n_union,
+               s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_vb: tl.int64, s_v, s_dob: tl.int64, s_do,
+               s_dqb: tl.int64, s_dq,
+               Tq, Tk, HKV, n_tiles, U, scale_log2, scale,
+               SHAPE: tl.constexpr):
     """Per-token dQ ``[B, Tq, HQ, D]`` of one token tile's rows."""
-    i_b, o_tok, o_head, m_row, b_q, p_k, p_v, t_abs, i_list, o_list = _token_setup(
-        q, k, v, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, T_Q, T_K, HKV, N_TILES, U, G, GP, BT, D)
-    b_do = load_rows(do + i_b * s_gb, o_tok.to(tl.int64) * s_gt + o_head * s_gh, m_row, D)
-    o_stat = (i_b * HKV * G + o_head) * T_Q + o_tok
-    b_lse2 = tl.load(lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
-    b_delta = tl.load(delta + o_stat, mask=m_row, other=0.0)
-    o_bit = tl.arange(0, BT * GP) // GP
-    p_union, p_bits = union + o_list, bits + o_list
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
+    ROWS: tl.constexpr = SHAPE.BT * SHAPE.GP
+    D: tl.constexpr = SHAPE.D
+    i_b, o_tok, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, t_abs, i_list, o_list = _token_setup(
+        p_q, p_k, p_v, s_qb, s_q, s_kb, s_k, s_vb, s_v, Tq, Tk, HKV, n_tiles, U, SHAPE)
+    b_do = load_rows(p_do + i_b * s_dob, _row_offsets(o_tok, o_head, s_do), m_row, D)
+    b_lse2, b_delta = _row_stats(p_lse, p_delta, i_b, o_tok, o_head, m_row, Tq, HKV, SHAPE.G)
+    o_bit = tl.arange(0, ROWS) // SHAPE.GP
+    p_ub, p_bb = p_union + o_list, p_bits + o_list
 
-    b_dq = tl.zeros([BT * GP, D], tl.float32)
-    for i in tl.range(tl.load(n_union + i_list)):
-        b_k, b_v, m_s = _union_block(p_union + i, p_bits + i, o_bit, t_abs, p_k, p_v,
-                                     s_kt, s_vt, T_K, C, D)
+    b_dq = tl.zeros([ROWS, D], tl.float32)
+    for i in tl.range(tl.load(p_n_union + i_list)):
+        b_k, b_v, m_s = _union_block(p_ub + i, p_bb + i, o_bit, t_abs, p_kh, p_vh, s_kt, s_vt,
+                                     Tk, SHAPE.C, D)
         # where, not a -inf score: a row with no key at all has lse = -inf
-        b_p = tl.where(m_s, tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC) - b_lse2[:, None]),
-                       0.0)
+        b_p = tl.where(m_s, tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC)
+                                    - b_lse2[:, None]), 0.0)
         b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC)
-    o_dq = o_tok.to(tl.int64) * s_dt + o_head * s_dh
-    store_rows(dq + i_b * s_db, o_dq, m_row, b_dq * scale, D)
+    o_dq = _row_offsets(o_tok, o_head, s_dq)
+    store_rows(p_dq + i_b * s_dqb, o_dq, m_row, b_dq * scale, D)
 
 
 # ----------------------------------------------------------------------------------------------
 # kernels: tile selections (forward, dQ)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _tile_rows(i_p, T_Q, T_K, QT: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr,
-               G: tl.constexpr, GP: tl.constexpr):
+def _tile_rows(i_p, Tq, Tk, SHAPE: tl.constexpr):
     """The ``BT * GP`` rows of tile program ``i_p``: part ``i_p % NSPLIT`` (``BT`` consecutive
     tokens) of query tile ``i_p // NSPLIT``, token-major, heads padded to ``GP``. Returns the
     tile, each row's query token, absolute position, head within the group and validity (a real
     head of a real query of the tile), and the part's first real position."""
-    i_j = i_p // NSPLIT
-    t0 = T_K - T_Q  # absolute position of query 0
-    p_first = (t0 // QT + i_j) * QT + (i_p % NSPLIT) * BT
-    o_m = tl.arange(0, BT * GP)
-    o_in = o_m // GP  # token within the part (BT > QT pads a small tile)
+    i_j = i_p // SHAPE.NSPLIT
+    t0 = Tk - Tq  # absolute position of query 0
+    p_first = (t0 // SHAPE.QT + i_j) * SHAPE.QT + (i_p % SHAPE.NSPLIT) * SHAPE.BT
+    o_m = tl.arange(0, SHAPE.BT * SHAPE.GP)
+    o_in = o_m // SHAPE.GP  # token within the part (BT > QT pads a small tile)
     o_pos = p_first + o_in
     o_tok = o_pos - t0
-    o_hh = o_m % GP
-    m_row = (o_in < QT) & (o_tok >= 0) & (o_tok < T_Q) & (o_hh < G)
+    o_hh = o_m % SHAPE.GP
+    m_row = (o_in < SHAPE.QT) & (o_tok >= 0) & (o_tok < Tq) & (o_hh < SHAPE.G)
     return i_j, o_tok, o_pos, o_hh, m_row, tl.maximum(p_first, t0)
 
 
 @triton.jit
-def _tile_setup(q, k, v, block_idx, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, s_ib, s_it, s_ih,
-                T_Q, T_K, HKV, S, QT: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr,
-                G: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
-                SP: tl.constexpr):
+def _tile_setup(p_q, p_k, p_v, p_idx, s_qb, s_q, s_kb, s_k, s_vb, s_v, s_ib, s_i, Tq, Tk, HKV,
+                S, SHAPE: tl.constexpr):
     """What the forward and dQ programs of one tile part share: its rows and queries
-    ``[BT * GP, D]``, the K/V base pointers, the pointer to the tile's block list and how many of
-    its blocks lie entirely before the part (``n_free``, a prefix of the ascending list: no causal
-    mask) and in all (``n_sel``)."""
+    ``[BT * GP, D]``, the K/V base pointers and token strides, the pointer to the tile's block
+    list and how many of its blocks lie entirely before the part (``n_free``, a prefix of the
+    ascending list: no causal mask) and in all (``n_sel``)."""
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // HKV).to(tl.int64), (i_bh % HKV).to(tl.int64)
-    i_j, o_tok, o_pos, o_hh, m_row, p_min = _tile_rows(i_p, T_Q, T_K, QT, BT, NSPLIT, G, GP)
-    o_head = i_h * G + o_hh
-    b_q = load_rows(q + i_b * s_qb, o_tok.to(tl.int64) * s_qt + o_head * s_qh, m_row, D)
-    p_sel = block_idx + i_b * s_ib + i_j.to(tl.int64) * s_it + i_h * s_ih
-    o_s = tl.arange(0, SP)
+    i_j, o_tok, o_pos, o_hh, m_row, p_min = _tile_rows(i_p, Tq, Tk, SHAPE)
+    o_head = i_h * SHAPE.G + o_hh
+    b_q = load_rows(p_q + i_b * s_qb, _row_offsets(o_tok, o_head, s_q), m_row, SHAPE.D)
+    s_it, s_ih = s_i
+    p_sel = p_idx + i_b * s_ib + i_j.to(tl.int64) * s_it + i_h * s_ih
+    o_s = tl.arange(0, SHAPE.SLOTS_P)
     b_sel = tl.load(p_sel + o_s, mask=o_s < S, other=-1)
     m_sel = b_sel >= 0
     # block c ends at or before the first position p_min: (c + 1) * C <= p_min + 1
-    n_free = tl.sum((m_sel & (b_sel < (p_min + 1) // C)).to(tl.int32))
+    n_free = tl.sum((m_sel & (b_sel < (p_min + 1) // SHAPE.C)).to(tl.int32))
     n_sel = tl.sum(m_sel.to(tl.int32))
-    return (i_b, o_tok, o_pos, o_head, m_row, b_q, k + i_b * s_kb + i_h * s_kh,
-            v + i_b * s_vb + i_h * s_vh, p_sel, n_free, n_sel)
+    p_kh, p_vh, s_kt, s_vt = _kv_heads(p_k, p_v, i_b, i_h, s_kb, s_k, s_vb, s_v)
+    return i_b, o_tok, o_pos, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, p_sel, n_free, n_sel
 
 
-@triton.jit(do_not_specialize=["T_Q", "T_K", "S"])
-def _tile_fwd_kernel(q, k, v, o, lse, block_idx,
-                     s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh,
-                     s_vb: tl.int64, s_vt, s_vh, s_ob: tl.int64, s_ot, s_oh,
-                     s_ib: tl.int64, s_it, s_ih,
-                     T_Q, T_K, HKV, S, scale_log2,
-                     QT: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, G: tl.constexpr,
-                     GP: tl.constexpr, C: tl.constexpr, D: tl.constexpr, SP: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+@triton.jit(do_not_specialize=["Tq", "Tk", "S"])
+def _tile_fwd_kernel(p_q, p_k, p_v, p_o, p_lse, p_idx,
+                     s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_vb: tl.int64, s_v,
+                     s_ob: tl.int64, s_o, s_ib: tl.int64, s_i,
+                     Tq, Tk, HKV, S, scale_log2,
+                     SHAPE: tl.constexpr):
     """Tile forward: ``o [B, Tq, HQ, D]``, ``lse [B, HQ, Tq]`` of one tile part's rows, over the
-    blocks of ``block_idx [B, n_tiles, HKV, S]`` row ``(b, tile, h)``."""
-    i_b, o_tok, o_pos, o_head, m_row, b_q, p_k, p_v, p_sel, n_free, n_sel = _tile_setup(
-        q, k, v, block_idx, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, s_ib, s_it, s_ih,
-        T_Q, T_K, HKV, S, QT, BT, NSPLIT, G, GP, C, D, SP)
+    blocks of ``block_idx [B, n_tiles, HKV, S]`` (``p_idx``) row ``(b, tile, h)``."""
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
+    ROWS: tl.constexpr = SHAPE.BT * SHAPE.GP
+    D: tl.constexpr = SHAPE.D
+    i_b, o_tok, o_pos, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, p_sel, n_free, n_sel = \
+        _tile_setup(p_q, p_k, p_v, p_idx, s_qb, s_q, s_kb, s_k, s_vb, s_v, s_ib, s_i, Tq, Tk,
+                    HKV, S, SHAPE)
 
-    b_m = tl.full([BT * GP], float("-inf"), tl.float32)  # running max, log2 domain
-    b_l = tl.zeros([BT * GP], tl.float32)
-    b_acc = tl.zeros([BT * GP, D], tl.float32)
+    b_m = tl.full([ROWS], float("-inf"), tl.float32)  # running max, log2 domain
+    b_l = tl.zeros([ROWS], tl.float32)
+    b_acc = tl.zeros([ROWS, D], tl.float32)
     for i in tl.range(n_free):  # blocks entirely before the part: every key is seen
-        b_k, b_v, _ = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_sel + i), T_K, C, D)
-        b_m, b_l, b_acc = online_softmax_step(_scores(b_q, b_k, scale_log2, DOT_PREC), b_v,
-                                              b_m, b_l, b_acc, DOT_PREC)
+        b_k, b_v, _ = _load_block(p_kh, p_vh, s_kt, s_vt, tl.load(p_sel + i), Tk, SHAPE.C,
+                                  D)
+        b_m, b_l, b_acc = online_softmax_step(_scores(b_q, b_k, scale_log2, DOT_PREC),
+                                              b_v, b_m, b_l, b_acc, DOT_PREC)
     for i in tl.range(n_free, n_sel):  # the tile's own block (and any later one): causal
-        b_k, b_v, o_key = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_sel + i), T_K, C, D)
-        b_s = tl.where(o_key[None, :] <= o_pos[:, None], _scores(b_q, b_k, scale_log2, DOT_PREC),
-                       float("-inf"))
+        b_k, b_v, o_key = _load_block(p_kh, p_vh, s_kt, s_vt, tl.load(p_sel + i), Tk, SHAPE.C,
+                                      D)
+        b_s = tl.where(o_key[None, :] <= o_pos[:, None],
+                       _scores(b_q, b_k, scale_log2, DOT_PREC), float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
 
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
-    store_rows(o + i_b * s_ob, o_tok.to(tl.int64) * s_ot + o_head * s_oh, m_row, b_o, D)
-    tl.store(lse + (i_b * HKV * G + o_head) * T_Q + o_tok, b_lse, mask=m_row)
+    store_rows(p_o + i_b * s_ob, _row_offsets(o_tok, o_head, s_o), m_row, b_o, D)
+    tl.store(p_lse + (i_b * HKV * SHAPE.G + o_head) * Tq + o_tok, b_lse, mask=m_row)
 
 
-@triton.jit(do_not_specialize=["T_Q", "T_K", "S"])
-def _tile_dq_kernel(q, k, v, do, lse, delta, dq, block_idx,
-                    s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh,
-                    s_vb: tl.int64, s_vt, s_vh, s_gb: tl.int64, s_gt, s_gh,
-                    s_db: tl.int64, s_dt, s_dh, s_ib: tl.int64, s_it, s_ih,
-                    T_Q, T_K, HKV, S, scale_log2, scale,
-                    QT: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, G: tl.constexpr,
-                    GP: tl.constexpr, C: tl.constexpr, D: tl.constexpr, SP: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
+@triton.jit(do_not_specialize=["Tq", "Tk", "S"])
+def _tile_dq_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dq, p_idx,
+                    s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_vb: tl.int64, s_v,
+                    s_dob: tl.int64, s_do, s_dqb: tl.int64, s_dq, s_ib: tl.int64, s_i,
+                    Tq, Tk, HKV, S, scale_log2, scale,
+                    SHAPE: tl.constexpr):
     """Tile dQ ``[B, Tq, HQ, D]`` of one tile part's rows."""
-    i_b, o_tok, o_pos, o_head, m_row, b_q, p_k, p_v, p_sel, n_free, n_sel = _tile_setup(
-        q, k, v, block_idx, s_qb, s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, s_ib, s_it, s_ih,
-        T_Q, T_K, HKV, S, QT, BT, NSPLIT, G, GP, C, D, SP)
-    b_do = load_rows(do + i_b * s_gb, o_tok.to(tl.int64) * s_gt + o_head * s_gh, m_row, D)
-    o_stat = (i_b * HKV * G + o_head) * T_Q + o_tok
-    b_lse2 = tl.load(lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
-    b_delta = tl.load(delta + o_stat, mask=m_row, other=0.0)
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
+    ROWS: tl.constexpr = SHAPE.BT * SHAPE.GP
+    D: tl.constexpr = SHAPE.D
+    i_b, o_tok, o_pos, o_head, m_row, b_q, p_kh, p_vh, s_kt, s_vt, p_sel, n_free, n_sel = \
+        _tile_setup(p_q, p_k, p_v, p_idx, s_qb, s_q, s_kb, s_k, s_vb, s_v, s_ib, s_i, Tq, Tk,
+                    HKV, S, SHAPE)
+    b_do = load_rows(p_do + i_b * s_dob, _row_offsets(o_tok, o_head, s_do), m_row, D)
+    b_lse2, b_delta = _row_stats(p_lse, p_delta, i_b, o_tok, o_head, m_row, Tq, HKV, SHAPE.G)
 
-    b_dq = tl.zeros([BT * GP, D], tl.float32)
+    b_dq = tl.zeros([ROWS, D], tl.float32)
     for i in tl.range(n_free):
-        b_k, b_v, _ = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_sel + i), T_K, C, D)
+        b_k, b_v, _ = _load_block(p_kh, p_vh, s_kt, s_vt, tl.load(p_sel + i), Tk, SHAPE.C,
+                                  D)
         b_p = tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC) - b_lse2[:, None])
         b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC)
     for i in tl.range(n_free, n_sel):
-        b_k, b_v, o_key = _load_block(p_k, p_v, s_kt, s_vt, tl.load(p_sel + i), T_K, C, D)
+        b_k, b_v, o_key = _load_block(p_kh, p_vh, s_kt, s_vt, tl.load(p_sel + i), Tk, SHAPE.C,
+                                      D)
         # where, not a -inf score: a row that sees no key at all has lse = -inf
         b_p = tl.where(o_key[None, :] <= o_pos[:, None],
-                       tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC) - b_lse2[:, None]), 0.0)
+                       tl.exp2(_scores(b_q, b_k, scale_log2, DOT_PREC) - b_lse2[:, None]),
+                       0.0)
         b_dq = _dq_update(b_p, b_do, b_k, b_v, b_delta, b_dq, DOT_PREC)
-    o_dq = o_tok.to(tl.int64) * s_dt + o_head * s_dh
-    store_rows(dq + i_b * s_db, o_dq, m_row, b_dq * scale, D)
+    o_dq = _row_offsets(o_tok, o_head, s_dq)
+    store_rows(p_dq + i_b * s_dqb, o_dq, m_row, b_dq * scale, D)
 
 
 # ----------------------------------------------------------------------------------------------
 # kernels: dK/dV (both selection kinds)
 # ----------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["T_Q", "T_K", "N_BLOCKS"])
-def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_rows, items,
-                s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
-                s_gb: tl.int64, s_gt, s_gh,
-                T_Q, T_K, HKV, N_BLOCKS, scale_log2, scale,
-                G: tl.constexpr, GP: tl.constexpr, QT: tl.constexpr, BT: tl.constexpr,
-                NT: tl.constexpr, C: tl.constexpr, D: tl.constexpr, ATOMIC: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_blocks"])
+def _dkv_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_part_k, p_part_v, p_rows,
+                p_items,
+                s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_vb: tl.int64, s_v, s_dob: tl.int64,
+                s_do,
+                Tq, Tk, HKV, n_blocks, scale_log2, scale,
+                SHAPE: tl.constexpr, ATOMIC: tl.constexpr):
     """One work item: key block x KV head x chunk of the selection rows that chose the block
-    (``csc_rows[start:end]``: query tokens for ``QT = 1``, query tiles of ``QT`` tokens else).
+    (``p_rows[start:end]``: query tokens for ``QT = 1``, query tiles of ``QT`` tokens else).
     A step gathers ``NT`` list entries x ``BT`` consecutive tokens x ``GP`` heads (``NT > 1``
     only with ``BT = QT``; a tile larger than a step takes ``QT / BT`` steps). Writes the block's
     ``dk, dv`` rows (fp32 ``[B, Tk, HKV, D]``), or adds to them (``ATOMIC``), or writes its
-    chunk's partial sums to scratch row ``slot`` of ``part_k, part_v [n_parts, C, D]``."""
+    chunk's partial sums to scratch row ``slot`` of ``p_part_k, p_part_v [n_parts, C, D]``."""
+    DOT_PREC: tl.constexpr = SHAPE.DOT_PREC
+    C: tl.constexpr = SHAPE.C
+    D: tl.constexpr = SHAPE.D
+    GP: tl.constexpr = SHAPE.GP
+    BT: tl.constexpr = SHAPE.BT
+    QT: tl.constexpr = SHAPE.QT
     NSUB: tl.constexpr = QT // BT
-    p_item = items + tl.program_id(0) * 5
+    s_qt, s_qh = s_q
+    s_kt, s_kh = s_k
+    s_vt, s_vh = s_v
+    s_dot, s_doh = s_do
+    p_item = p_items + tl.program_id(0) * 5
     key, start, end = tl.load(p_item), tl.load(p_item + 1), tl.load(p_item + 2)
     slot = tl.load(p_item + 3)
     # 32-bit block index: the key positions and causal masks of every step derive from it, and
     # 64-bit ones cost 3 ms of 53 at 128K (items are int64 for their token offsets)
-    i_bh, i_c = key // N_BLOCKS, (key % N_BLOCKS).to(tl.int32)
+    i_bh, i_c = key // n_blocks, (key % n_blocks).to(tl.int32)
     i_b, i_h = (i_bh // HKV).to(tl.int64), (i_bh % HKV).to(tl.int64)
-    b_k, b_v, o_key = _load_block(k + i_b * s_kb + i_h * s_kh, v + i_b * s_vb + i_h * s_vh,
-                                  s_kt, s_vt, i_c, T_K, C, D)
-    m_key = o_key < T_K
-    o_m = tl.arange(0, NT * BT * GP)
+    b_k, b_v, o_key = _load_block(p_k + i_b * s_kb + i_h * s_kh, p_v + i_b * s_vb + i_h * s_vh,
+                                  s_kt, s_vt, i_c, Tk, C, D)
+    m_key = o_key < Tk
+    o_m = tl.arange(0, SHAPE.NT * BT * GP)
     o_e = o_m // (BT * GP)  # list entry within the step
     o_in = (o_m // GP) % BT  # token within the entry's part
     o_hh = o_m % GP
-    o_head = i_h * G + o_hh
-    t0 = T_K - T_Q
+    o_head = i_h * SHAPE.G + o_hh
+    t0 = Tk - Tq
     shift = t0 % QT  # query 0's place in its tile: tile r starts at query r * QT - shift
 
     b_dk = tl.zeros([C, D], tl.float32)
     b_dv = tl.zeros([C, D], tl.float32)
-    for i in tl.range(start * NSUB, end * NSUB, NT):
+    for i in tl.range(start * NSUB, end * NSUB, SHAPE.NT):
         o_pos = i // NSUB + o_e
         m_ent = o_pos < end
-        o_row = tl.load(csc_rows + o_pos, mask=m_ent, other=0)
+        o_row = tl.load(p_rows + o_pos, mask=m_ent, other=0)
         o_tok = o_row * QT - shift + (i % NSUB) * BT + o_in
-        m_row = m_ent & (o_hh < G) & (o_tok >= 0) & (o_tok < T_Q)
+        m_row = m_ent & (o_hh < SHAPE.G) & (o_tok >= 0) & (o_tok < Tq)
         o_tok64 = o_tok.to(tl.int64)
-        b_q = load_rows(q + i_b * s_qb, o_tok64 * s_qt + o_head * s_qh, m_row, D)
-        b_do = load_rows(do + i_b * s_gb, o_tok64 * s_gt + o_head * s_gh, m_row, D)
-        o_stat = (i_b * HKV * G + o_head) * T_Q + o_tok
-        b_lse2 = tl.load(lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
-        b_delta = tl.load(delta + o_stat, mask=m_row, other=0.0)
+        b_q = load_rows(p_q + i_b * s_qb, o_tok64 * s_qt + o_head * s_qh, m_row, D)
+        b_do = load_rows(p_do + i_b * s_dob, o_tok64 * s_dot + o_head * s_doh, m_row, D)
+        o_stat = (i_b * HKV * SHAPE.G + o_head) * Tq + o_tok
+        b_lse2 = tl.load(p_lse + o_stat, mask=m_row, other=0.0) * LOG2E_K
+        b_delta = tl.load(p_delta + o_stat, mask=m_row, other=0.0)
         # transposed scores [C, rows]: the block's keys are the long side of every product
         b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale_log2
         m_st = m_row[None, :] & (o_key[:, None] <= (t0 + o_tok)[None, :])
@@ -369,95 +428,54 @@ def _dkv_kernel(q, k, v, do, lse, delta, dk, dv, part_k, part_v, csc_rows, items
         b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=DOT_PREC)
     b_dk *= scale
 
-    o_out = (i_b * T_K + o_key) * HKV * D + i_h * D  # dk, dv: contiguous fp32 [B, T_K, HKV, D]
+    o_out = (i_b * Tk + o_key) * HKV * D + i_h * D  # dk, dv: contiguous fp32 [B, Tk, HKV, D]
     if slot < 0:  # the block's only chunk owns its rows
-        store_rows(dk, o_out, m_key, b_dk, D)
-        store_rows(dv, o_out, m_key, b_dv, D)
+        store_rows(p_dk, o_out, m_key, b_dk, D)
+        store_rows(p_dv, o_out, m_key, b_dv, D)
     elif ATOMIC:
         o_d = tl.arange(0, D)
-        tl.atomic_add(dk + o_out[:, None] + o_d[None, :], b_dk, mask=m_key[:, None], sem="relaxed")
-        tl.atomic_add(dv + o_out[:, None] + o_d[None, :], b_dv, mask=m_key[:, None], sem="relaxed")
+        tl.atomic_add(p_dk + o_out[:, None] + o_d[None, :], b_dk, mask=m_key[:, None],
+                      sem="relaxed")
+        tl.atomic_add(p_dv + o_out[:, None] + o_d[None, :], b_dv, mask=m_key[:, None],
+                      sem="relaxed")
     else:
         o_part = slot.to(tl.int64) * C * D + tl.arange(0, C) * D
-        store_rows(part_k, o_part, m_key, b_dk, D)
-        store_rows(part_v, o_part, m_key, b_dv, D)
+        store_rows(p_part_k, o_part, m_key, b_dk, D)
+        store_rows(p_part_v, o_part, m_key, b_dv, D)
 
 
-@triton.jit(do_not_specialize=["T_K", "N_BLOCKS"])
-def _reduce_parts_kernel(dk, dv, part_k, part_v, items, T_K, HKV, N_BLOCKS,
+@triton.jit(do_not_specialize=["Tk", "n_blocks"])
+def _reduce_parts_kernel(p_dk, p_dv, p_part_k, p_part_v, p_items, Tk, HKV, n_blocks,
                          C: tl.constexpr, D: tl.constexpr):
     """Sum a split block's chunk partials in slot order (deterministic) into dk, dv."""
-    p_item = items + tl.program_id(0) * 5
+    p_item = p_items + tl.program_id(0) * 5
     n_parts = tl.load(p_item + 4)  # > 0 only on the first chunk of a split block
     if n_parts > 0:
         key, slot = tl.load(p_item), tl.load(p_item + 3)
-        i_bh, i_c = key // N_BLOCKS, (key % N_BLOCKS).to(tl.int32)
+        i_bh, i_c = key // n_blocks, (key % n_blocks).to(tl.int32)
         i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
         o_key = i_c * C + tl.arange(0, C)
-        m_key = o_key < T_K
+        m_key = o_key < Tk
         o_part = slot.to(tl.int64) * C * D + tl.arange(0, C) * D
         b_dk = tl.zeros([C, D], tl.float32)
         b_dv = tl.zeros([C, D], tl.float32)
         for j in range(n_parts):
-            b_dk += load_rows(part_k + j * C * D, o_part, m_key, D)
-            b_dv += load_rows(part_v + j * C * D, o_part, m_key, D)
-        o_out = (i_b * T_K + o_key) * HKV * D + i_h * D
-        store_rows(dk, o_out, m_key, b_dk, D)
-        store_rows(dv, o_out, m_key, b_dv, D)
+            b_dk += load_rows(p_part_k + j * C * D, o_part, m_key, D)
+            b_dv += load_rows(p_part_v + j * C * D, o_part, m_key, D)
+        o_out = (i_b * Tk + o_key) * HKV * D + i_h * D
+        store_rows(p_dk, o_out, m_key, b_dk, D)
+        store_rows(p_dv, o_out, m_key, b_dv, D)
 
 
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch knobs. A program's rows are (query token, GQA head) pairs.
-
-    Per-token selections: about ``rows // G`` tokens per tile (``_tile_tokens``: a power of two,
-    at least 2 tokens and 16 rows), so ``fwd_rows=128`` with ``G=16`` tiles 8 tokens.
-
-    Tile selections (``tile_*``): a forward / dQ program owns at most ``tile_fwd_rows`` /
-    ``tile_dq_rows`` rows of one query tile (a larger tile is split over several programs) and at
-    least ``tile_min_rows`` (a smaller tile is padded); a dK/dV step gathers ``tile_dkv_rows``
-    rows (several small tiles, or a part of a large one).
-
-    The defaults are the best of ``benchmarks/tuning/tile_tune.py`` on the H200 (config A at 128K,
-    ``tile_tune_h200_*.json``): dK/dV wants small steps at 4 warps (32 rows: 31 ms per token,
-    30 ms for 16-token tiles, against 52 / 54 ms at 64 rows and 8 warps). The per-token forward
-    and dQ keep 64 rows: their programs walk the union of their tokens' selections, which the
-    sweep's shared selections do not grow (128-row dQ looked 15% faster there and made the
-    backward on real selections no faster, ``train_h200_qt1_128k_tuned.json``)."""
-
-    fwd_rows: int = 64
-    fwd_warps: int = 4
-    fwd_stages: int = 2
-    dq_rows: int = 64
-    dq_warps: int = 4
-    dq_stages: int = 2
-    dkv_rows: int = 32
-    dkv_warps: int = 4
-    dkv_stages: int = 2
-    dkv_chunk: int = 2048  # most query tokens one dK/dV program handles; longer lists are split
-    tile_fwd_rows: int = 128
-    tile_fwd_warps: int = 8
-    tile_fwd_stages: int = 2
-    tile_dq_rows: int = 64
-    tile_dq_warps: int = 4
-    tile_dq_stages: int = 2
-    tile_dkv_rows: int = 32
-    tile_dkv_warps: int = 4
-    tile_dkv_stages: int = 2
-    # 32, not the 16 rows tl.dot needs: 16-row tiles gave wrong outputs on the H200 (see
-    # ``_tile_tokens``)
-    tile_min_rows: int = 32
+_LAUNCH = AttnLaunch()  # the defaults (``launch=None``); tests swap it for one test
 
 
-_CFG = KernelConfig()
-
-
-def _strides(*tensors: torch.Tensor) -> list[int]:
-    """Batch, token and head strides of each ``[B, T, H, D]`` tensor, in order."""
-    return [st for x in tensors for st in x.stride()[:3]]
+def _strides(*tensors: torch.Tensor) -> list:
+    """``strides_of`` each ``[B, T, H, D]`` tensor, in order, flat."""
+    return [s for x in tensors for s in strides_of(x)]
 
 
 def _tile_tokens(rows: int, gp: int) -> int:
@@ -481,7 +499,7 @@ def _tile_part(query_tile: int, gp: int, rows: int, min_rows: int, head_dim: int
     return bt, cdiv(query_tile, bt)
 
 
-def _dkv_plan(query_tile: int, gp: int, cfg: KernelConfig):
+def _dkv_plan(query_tile: int, gp: int, cfg: AttnLaunch):
     """``(BT, NT, chunk)`` of the dK/dV kernel: a step gathers ``NT`` list entries of ``BT``
     tokens each; a program takes at most ``chunk`` list entries (about ``dkv_chunk`` tokens)."""
     if query_tile == 1:
@@ -549,7 +567,7 @@ def _token_tiles(q, k, block_idx, rows: int):
     return (G, GP, BT) + _tile_union(block_idx, BT)
 
 
-def _attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
+def _attn_fwd(q, k, v, block_idx, block_size, scale, cfg: AttnLaunch):
     """Per-token selections ``block_idx [B, Tq, HKV, S]``."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
@@ -561,12 +579,12 @@ def _attn_fwd(q, k, v, block_idx, block_size, scale, cfg: KernelConfig):
     _fwd_kernel[(n_tiles, B * HKV)](
         q, k, v, o, lse, union, bits, count, *_strides(q, k, v, o),
         Tq, Tk, HKV, n_tiles, union.shape[-1], scale * LOG2E,
-        G=G, GP=GP, BT=BT, C=block_size, D=D, DOT_PREC=_dot_precision(q),
+        AttnShape(G, GP, BT, block_size, D, _dot_precision(q)),
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, lse
 
 
-def _tile_fwd(q, k, v, block_idx, block_size, scale, query_tile, cfg: KernelConfig):
+def _tile_fwd(q, k, v, block_idx, block_size, scale, query_tile, cfg: AttnLaunch):
     """Tile selections ``block_idx [B, n_tiles, HKV, S]``."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
@@ -579,9 +597,9 @@ def _tile_fwd(q, k, v, block_idx, block_size, scale, query_tile, cfg: KernelConf
     _tile_fwd_kernel[(n_tiles * NSPLIT, B * HKV)](
         q, k, v, o, lse, block_idx, *_strides(q, k, v, o, block_idx),
         Tq, Tk, HKV, S, scale * LOG2E,
-        QT=query_tile, BT=BT, NSPLIT=NSPLIT, G=G, GP=GP, C=block_size, D=D, SP=pow2(S),
-        DOT_PREC=_dot_precision(q), num_warps=cfg.tile_fwd_warps,
-        num_stages=cfg.tile_fwd_stages)
+        AttnShape(G, GP, BT, block_size, D, _dot_precision(q), QT=query_tile, NSPLIT=NSPLIT,
+                  SLOTS_P=pow2(S)),
+        num_warps=cfg.tile_fwd_warps, num_stages=cfg.tile_fwd_stages)
     return o, lse
 
 
@@ -596,7 +614,7 @@ def _delta(o, do, dlse):
     return delta if dlse is None else (delta - dlse).contiguous()
 
 
-def _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg: KernelConfig):
+def _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg: AttnLaunch):
     """Per-token selections."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
@@ -606,13 +624,13 @@ def _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, cfg: KernelC
     _dq_kernel[(n_tiles, B * HKV)](
         q, k, v, do, lse, delta, dq, union, bits, count, *_strides(q, k, v, do, dq),
         Tq, Tk, HKV, n_tiles, union.shape[-1], scale * LOG2E, scale,
-        G=G, GP=GP, BT=BT, C=block_size, D=D, DOT_PREC=_dot_precision(q),
+        AttnShape(G, GP, BT, block_size, D, _dot_precision(q)),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     return dq
 
 
 def _tile_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, query_tile,
-             cfg: KernelConfig):
+             cfg: AttnLaunch):
     """Tile selections."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
@@ -623,13 +641,14 @@ def _tile_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, query_tile,
     _tile_dq_kernel[(n_tiles * NSPLIT, B * HKV)](
         q, k, v, do, lse, delta, dq, block_idx, *_strides(q, k, v, do, dq, block_idx),
         Tq, Tk, HKV, S, scale * LOG2E, scale,
-        QT=query_tile, BT=BT, NSPLIT=NSPLIT, G=G, GP=GP, C=block_size, D=D, SP=pow2(S),
-        DOT_PREC=_dot_precision(q), num_warps=cfg.tile_dq_warps, num_stages=cfg.tile_dq_stages)
+        AttnShape(G, GP, BT, block_size, D, _dot_precision(q), QT=query_tile, NSPLIT=NSPLIT,
+                  SLOTS_P=pow2(S)),
+        num_warps=cfg.tile_dq_warps, num_stages=cfg.tile_dq_stages)
     return dq
 
 
 def _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, deterministic,
-              query_tile, cfg: KernelConfig):
+              query_tile, cfg: AttnLaunch):
     """Both selection kinds: ``block_idx`` rows are tokens (``query_tile = 1``) or tiles."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
@@ -648,8 +667,8 @@ def _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, determinist
         _dkv_kernel[(items.shape[0],)](
             q, k, v, do, lse, delta, dk, dv, *parts, rows, items, *_strides(q, k, v, do),
             Tq, Tk, HKV, n_blocks, scale * LOG2E, scale,
-            G=G, GP=GP, QT=query_tile, BT=BT, NT=NT, C=block_size, D=D,
-            ATOMIC=not deterministic, DOT_PREC=_dot_precision(q),
+            AttnShape(G, GP, BT, block_size, D, _dot_precision(q), QT=query_tile, NT=NT),
+            ATOMIC=not deterministic,
             num_warps=cfg.tile_dkv_warps if tiled else cfg.dkv_warps,
             num_stages=cfg.tile_dkv_stages if tiled else cfg.dkv_stages)
     if reduce:
@@ -669,27 +688,33 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, block_idx: torch.Tensor, block_si
     return (block_idx if block_idx.stride(-1) == 1 else block_idx.contiguous()), block_size
 
 
-def attn_fwd_triton(q, k, v, block_idx, block_size, scale, query_tile: int = 1):
+def attn_fwd_triton(q, k, v, block_idx, block_size, scale, query_tile: int = 1, *,
+                    launch: AttnLaunch | None = None):
     """Forward: ``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32 (natural log, ``-inf``
     and ``o = 0`` for a query with no key). ``block_idx`` is per token (``query_tile = 1``,
-    ``[B, Tq, HKV, S]``) or per query tile (``[B, n_query_tiles(Tq, Tk, query_tile), HKV, S]``)."""
+    ``[B, Tq, HKV, S]``) or per query tile (``[B, n_query_tiles(Tq, Tk, query_tile), HKV, S]``).
+    ``launch``: the kernels' launch knobs (``utils.launch.AttnLaunch``; default: the tuned
+    ones)."""
     block_idx, block_size = _prepare(q, k, block_idx, block_size)
+    launch = launch or _LAUNCH
     if query_tile == 1:
-        return _attn_fwd(q, k, v, block_idx, block_size, scale, _CFG)
-    return _tile_fwd(q, k, v, block_idx, block_size, scale, query_tile, _CFG)
+        return _attn_fwd(q, k, v, block_idx, block_size, scale, launch)
+    return _tile_fwd(q, k, v, block_idx, block_size, scale, query_tile, launch)
 
 
 def attn_bwd_triton(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, deterministic,
-                    query_tile: int = 1):
-    """Backward: ``dq, dk, dv``; ``deterministic=True`` sums split blocks in a fixed order."""
+                    query_tile: int = 1, *, launch: AttnLaunch | None = None):
+    """Backward: ``dq, dk, dv``; ``deterministic=True`` sums split blocks in a fixed order.
+    ``launch`` as in ``attn_fwd_triton``."""
     block_idx, block_size = _prepare(q, k, block_idx, block_size)
+    launch = launch or _LAUNCH
     do = torch.zeros_like(o) if do is None else do
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = _delta(o, do, dlse)
     if query_tile == 1:
-        dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, _CFG)
+        dq = _attn_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, launch)
     else:
-        dq = _tile_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, query_tile, _CFG)
+        dq = _tile_dq(q, k, v, do, lse, delta, block_idx, block_size, scale, query_tile, launch)
     dk, dv = _attn_dkv(q, k, v, do, lse, delta, block_idx, block_size, scale, deterministic,
-                       query_tile, _CFG)
+                       query_tile, launch)
     return dq, dk, dv

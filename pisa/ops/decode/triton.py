@@ -8,7 +8,7 @@ prefill (``pisa_select`` + sparse attention) over the sequence's first ``t + 1``
 Design
 ------
 One launch per step, grid ``(B, HKV, SPLITS)``. Each program loads the ``G`` query heads of its
-GQA group as the rows of its tiles (padded to ``ROWS``) and, from ``cache_seqlens[b]`` read on the
+GQA group as the rows of its tiles (padded to ``GP``) and, from ``cache_seqlens[b]`` read on the
 device, walks the pyramid of the cache (the geometry of ``T_max``: its level count and row offsets
 are fixed by the cache shape; above the sequence's own root only node 0 is active, forced, so the
 walk equals prefill's):
@@ -18,7 +18,7 @@ walk equals prefill's):
   computes from ``t``, ``C`` and ``g`` how many top levels are like that, skips them, and starts
   at the first level with more free nodes, taking all free nodes of the level above as kept. From
   there the candidates are the children of the kept nodes of the level above and of its forced
-  nodes (``select.triton.candidates``), free ones only: always more than ``W``, so each is scored
+  nodes (``utils.walk_triton.candidates``), free ones only: always more than ``W``, so each is scored
   per head by the LSE over its children's means (``_child_lse``: the cache's sums over the
   children's key count, which is the full span, as every ranked node lies before the query),
   summed over heads, and ``tl.topk`` over packed (score, index) keys keeps ``W``. Per ranked level
@@ -28,8 +28,8 @@ walk equals prefill's):
   ``W2`` instead of ``W``. With ``W2 == W`` (``beam_leaf`` None or ``beam``) the kernel is the
   single-beam one: one loop over every ranked level, the leaf stage over ``[WP]``. Otherwise the
   loop ranks the levels above 2 and level 2 is ranked after it into a register tile of its own
-  width ``WPL`` (skipped, when all levels above were and it has at most ``W2`` free nodes; all
-  its candidates kept when they are at most ``W2``), and the leaf stage takes its ``[WPL]``.
+  width ``W2P`` (skipped, when all levels above were and it has at most ``W2`` free nodes; all
+  its candidates kept when they are at most ``W2``), and the leaf stage takes its ``[W2P]``.
 - ``scorer="bound"``: the cache's per-node key ``mins`` / ``maxs`` replace the means at the
   internal levels: per candidate child ``z = scale * (q_a . max + q_b . min)`` with ``q_a`` the
   query elements where ``scale * q > 0`` and ``q_b`` the others (``sum_d max(s q_d min_d,
@@ -38,7 +38,7 @@ walk equals prefill's):
   exact LSE. Only ranked nodes' children are read, which lie wholly before the query, so the
   ``+inf`` / ``-inf`` bounds of nodes past a sequence are never loaded.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
-  keys (``select.triton.leaf_keys`` and ``leaf_scores``: one ``[g * C, D]`` load and one dot
+  keys (``utils.walk_triton.leaf_keys`` and ``leaf_scores``: one ``[g * C, D]`` load and one dot
   per parent, the next parents' keys loading meanwhile); the best ``K - #forced`` free blocks
   (``K`` with ``forced_in_budget=False``) join the sink, previous and current blocks.
 - attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
@@ -78,17 +78,19 @@ tile ``min(next_pow2(W2), 2 g WP)`` is at most ``512 / g`` (``beam_widths`` rais
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..select.triton import candidates, forced_parents, leaf_keys, leaf_scores
 from ..utils.config import SelectConfig
 from ..utils.geometry import cdiv, level_offsets, pow2
-from ..utils.op import (F32_PRECISION, KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries,
-                        load_rows, online_softmax_step, pack, selection_row, softmax_output,
-                        store_rows, unpack_idx)
+from ..utils.op import (KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries, load_rows,
+                        online_softmax_step, pack, selection_row, softmax_output, store_rows,
+                        unpack_idx)
+from ..utils.triton_utils import DECODE_STAGE_SMEM, F32_PREC, pick_of
+from ..utils.walk_triton import candidates, forced_parents, leaf_keys, leaf_scores
 
 _HEAD_DIMS = (16, 32, 64, 128)
 _BRANCHINGS = (2, 4)
@@ -112,9 +114,40 @@ _NUM_WARPS = 8
 # round trip; 3 keeps a tile in flight while one is scored (both children of a g=2 level, the
 # next parent's leaf keys, both blocks of a split at K / SPLITS = 2).
 _NUM_STAGES = 3
-# Shared memory for the tiles a pipelined loop loads ahead (the loops run one after another; the
-# H100 / H200 give a block 227 KB, the rest holds the queries and the dots' operands).
-_STAGE_SMEM = 128 * 1024
+
+
+class DecodeShape(NamedTuple):
+    """A decode program's compile-time shape (one ``tl.constexpr``; names as in
+    ``utils.triton_utils``)."""
+
+    G: int           # query heads per KV head
+    GP: int          # query rows: G zero-padded to a power of two >= _MIN_ROWS
+    D: int           # head dim
+    C: int           # keys a block (a page)
+    LOG_C: int
+    BRANCH: int      # children a node (2 or 4)
+    LOG_BRANCH: int
+    W: int           # beam above level 2
+    WP: int          # its register width
+    W2: int          # beam at level 2 (``beam_leaf``)
+    W2P: int         # its register width (== WP with a single beam)
+    TOP_P: int       # best leaf keys the leaf stage keeps (a power of two)
+    KPS: int         # selected blocks a split attends
+
+
+class DecodeModes(NamedTuple):
+    BOUND: bool      # rank internal nodes by key bounds (``scorer="bound"``)
+    PAGED: bool      # a paged cache: blocks through the page table
+    SLOT_IDX: bool   # sequences name their cache slots (``cache_batch_idx``)
+    WRITE_IDX: bool  # also write the selection
+
+
+class DecodeStages(NamedTuple):
+    """Software pipelining of the kernel's loops (``_stages``)."""
+
+    CHILD: int  # over a level's children
+    LEAF: int   # over the kept parents' leaf keys
+    ATTN: int   # over a split's attended blocks
 
 
 # ------------------------------------------------------------------------------------------------
@@ -138,12 +171,11 @@ def _free_end(cur, shift):
 
 @triton.jit
 def _child_lse(b_q, b_qb, o_x, m_x, p_child, p_lo, s_cn, inv_n, scale,
-               G_BR: tl.constexpr, D: tl.constexpr, F32_PREC: tl.constexpr,
-               STAGES: tl.constexpr, BOUND: tl.constexpr):
-    """Per query row scores ``[ROWS, NX]`` of candidates ``o_x [NX]``: ``log sum_c exp(z_c)``
-    over their ``G_BR`` children (rows ``o_x * G_BR + c`` of ``p_child``), online over ``c``;
-    ``-inf`` outside ``m_x``. ``STAGES - 1`` child tiles load ahead: with ``STAGES > G_BR``, one
-    memory round trip per level instead of ``G_BR``.
+               BRANCH: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, BOUND: tl.constexpr):
+    """Per query row scores ``[GP, NX]`` of candidates ``o_x [NX]``: ``log sum_c exp(z_c)``
+    over their ``BRANCH`` children (rows ``o_x * BRANCH + c`` of ``p_child``), online over ``c``;
+    ``-inf`` outside ``m_x``. ``STAGES - 1`` child tiles load ahead: with ``STAGES > BRANCH``, one
+    memory round trip per level instead of ``BRANCH``.
 
     ``z_c = scale * q . s_c * inv_n`` from the children's sums ``s_c``; with ``BOUND``
     (``scorer="bound"``) ``z_c = scale * (q_a . max_c + q_b . min_c)`` from the children's key
@@ -160,8 +192,8 @@ def _child_lse(b_q, b_qb, o_x, m_x, p_child, p_lo, s_cn, inv_n, scale,
     N: tl.constexpr = o_x.shape[0]
     b_max = tl.full([M, N], float("-inf"), dtype=tl.float32)
     b_acc = tl.zeros([M, N], dtype=tl.float32)
-    for c in tl.range(0, G_BR, num_stages=STAGES):
-        o_p = (o_x * G_BR + c).to(tl.int64)[:, None] * s_cn + o_d[None, :]
+    for c in tl.range(0, BRANCH, num_stages=STAGES):
+        o_p = (o_x * BRANCH + c).to(tl.int64)[:, None] * s_cn + o_d[None, :]
         if BOUND:  # finite: masked rows read zeros (nodes past a sequence hold infinities)
             b_hi = tl.load(p_child + o_p, mask=m_x[:, None], other=0.)
             b_lo = tl.load(p_lo + o_p, mask=m_x[:, None], other=0.)
@@ -177,20 +209,21 @@ def _child_lse(b_q, b_qb, o_x, m_x, p_child, p_lo, s_cn, inv_n, scale,
 
 @triton.jit
 def _level_scores(b_q, b_qb, m_row, b_rest, n_rest, cur, shift, p_child, p_lo, s_sn, scale,
-                  LOG_C: tl.constexpr, G_BR: tl.constexpr, LOG_G: tl.constexpr,
-                  D: tl.constexpr, WP: tl.constexpr, BOUND: tl.constexpr,
-                  F32_PREC: tl.constexpr, STAGES: tl.constexpr):
-    """The candidates ``o_x [2 * G_BR * WP]`` of the level whose nodes span ``2 ** shift``
+                  SHAPE: tl.constexpr, BOUND: tl.constexpr, STAGES: tl.constexpr):
+    """The candidates ``o_x [2 * BRANCH * WP]`` of the level whose nodes span ``2 ** shift``
     leaves (the children of the ``n_rest`` kept nodes ``b_rest [WP]`` of the level above and of
-    its forced nodes, ``select.triton.candidates``), which are free (``m_x``: causal, not
+    its forced nodes, ``utils.walk_triton.candidates``), which are free (``m_x``: causal, not
     forced), and their group scores (``_child_lse`` per head, summed over the real heads
     ``m_row``); the children's rows start at ``p_child`` (and ``p_lo``, the mins, for
     ``BOUND``)."""
-    sc = shift - LOG_G  # the children's shift
-    o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), 0, G_BR, G_BR, WP)
+    BRANCH: tl.constexpr = SHAPE.BRANCH
+    LOG_BRANCH: tl.constexpr = SHAPE.LOG_BRANCH
+    sc = shift - LOG_BRANCH  # the children's shift
+    o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_BRANCH), 0, BRANCH, BRANCH,
+                          SHAPE.WP)
     m_x = m_x & (o_x >= 1) & (o_x < _free_end(cur, shift))  # free nodes only
-    b_sm = _child_lse(b_q, b_qb, o_x, m_x, p_child, p_lo, s_sn, _exp2i(-(sc + LOG_C)), scale,
-                      G_BR, D, F32_PREC, STAGES, BOUND)
+    b_sm = _child_lse(b_q, b_qb, o_x, m_x, p_child, p_lo, s_sn, _exp2i(-(sc + SHAPE.LOG_C)),
+                      scale, BRANCH, SHAPE.D, STAGES, BOUND)
     return o_x, m_x, tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
 
 
@@ -205,26 +238,26 @@ def _pages(p_btb, blk, m_blk, n_pages):
 
 @triton.jit
 def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kt, scale,
-              C: tl.constexpr, G_BR: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-              WP: tl.constexpr, KS: tl.constexpr, PAGED: tl.constexpr, F32_PREC: tl.constexpr,
-              STAGES: tl.constexpr):
+              WP: tl.constexpr, SHAPE: tl.constexpr, PAGED: tl.constexpr, STAGES: tl.constexpr):
     """The leaf stage: exact LSE of the free children (``[1, cur - 2]``) of each of the ``n_rest``
     kept level-2 nodes ``b_rest [WP]``, then of each new forced parent (sink, previous,
     current); scores land in the candidate slots by index. ``STAGES - 1`` parents' keys are
     loaded ahead of the one being scored (their pages, ``PAGED``, through ``p_btb``). Returns the
-    best ``KS`` packed keys, best first, and how many leaves read had no page in the pool."""
-    NX: tl.constexpr = 2 * G_BR * WP
+    best ``TOP_P`` packed keys, best first, and how many leaves read had no page in the pool."""
+    C: tl.constexpr = SHAPE.C
+    BRANCH: tl.constexpr = SHAPE.BRANCH
+    NX: tl.constexpr = 2 * BRANCH * WP
     o_w = tl.arange(0, WP)
-    o_x, m_x = candidates(b_rest, n_rest, cur, cur, G_BR, 0, G_BR, G_BR, WP)
+    o_x, m_x = candidates(b_rest, n_rest, cur, cur, BRANCH, 0, BRANCH, BRANCH, WP)
     m_free = m_x & (o_x >= 1) & (o_x <= cur - 2)
-    o_c = tl.arange(0, G_BR)
+    o_c = tl.arange(0, BRANCH)
     b_s = tl.zeros([NX], dtype=tl.float32)
     n_out = tl.full([], 0, tl.int32)
     for j in tl.range(0, n_rest + 3, num_stages=STAGES):
-        par_f, new_f = forced_parents(j - n_rest, cur, cur, G_BR, 0)
+        par_f, new_f = forced_parents(j - n_rest, cur, cur, BRANCH, 0)
         kept = j < n_rest
         par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
-        o_leaf = par * G_BR + o_c
+        o_leaf = par * BRANCH + o_c
         m_leaf = (kept | new_f) & (o_leaf >= 1) & (o_leaf <= cur - 2)
         o_id = o_leaf  # where the leaves' rows start: block (contiguous) or page index
         m_load = m_leaf
@@ -232,13 +265,13 @@ def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kt, scale
             o_id, m_out = _pages(p_btb, o_leaf, m_leaf, n_pages)
             n_out += tl.sum(m_out.to(tl.int32))
             m_load = m_leaf & ~m_out
-        b_k = leaf_keys(p_kh, s_kt, o_id, m_load, C, C, D, D)
-        b_sj = tl.sum(leaf_scores(b_q, m_row, b_k, scale, 1, ROWS, C, C, 0, F32_PREC),
-                      axis=0)  # [G_BR]
-        m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, G_BR]
+        b_k = leaf_keys(p_kh, s_kt, o_id, m_load, C, C, SHAPE.D, SHAPE.D)
+        b_sj = tl.sum(leaf_scores(b_q, m_row, b_k, scale, 1, SHAPE.GP, C, C, 0),
+                      axis=0)  # [BRANCH]
+        m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, BRANCH]
         b_s = tl.where(tl.max(m_hit.to(tl.int32), axis=1) > 0,
                        tl.sum(tl.where(m_hit, b_sj[None, :], 0.), axis=1), b_s)
-    return tl.topk(tl.where(m_free, pack(b_s, o_x), KEY_NONE), KS), n_out  # best first
+    return tl.topk(tl.where(m_free, pack(b_s, o_x), KEY_NONE), SHAPE.TOP_P), n_out  # best first
 
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
@@ -246,51 +279,66 @@ def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kt, scale
 # 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
 @triton.jit(do_not_specialize=["T_max", "n_leaves", "n_walk", "n_pages", "n_slots"])
 def _decode_kernel(
-        p_q, p_k, p_v, p_sums, p_mins, p_maxs, p_seqlens, p_bt, p_bidx, p_o, p_lse, p_idx,
+        p_q, p_k, p_v, p_summary, p_seqlens, p_table, p_slot, p_o, p_lse, p_idx,
         T_max, n_leaves, n_walk, n_pages, n_slots, scale, scale_log2,
-        s_qb: tl.int64, s_qt, s_qh, s_kb: tl.int64, s_kt, s_kh, s_vb: tl.int64, s_vt, s_vh,
-        s_btb: tl.int64,
-        s_sb: tl.int64, s_sn, s_sh,
-        s_ob: tl.int64, s_oh, s_os, s_lb: tl.int64, s_lh, s_ls, s_ib: tl.int64, s_ih,
-        G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-        LOG_C: tl.constexpr, G_BR: tl.constexpr, LOG_G: tl.constexpr, W: tl.constexpr,
-        WP: tl.constexpr, W2: tl.constexpr, WPL: tl.constexpr, BOUND: tl.constexpr,
-        PAGED: tl.constexpr, SLOT_IDX: tl.constexpr, KS: tl.constexpr, TOPK: tl.constexpr,
-        IN_BUDGET: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, KPS: tl.constexpr,
-        WRITE_IDX: tl.constexpr, F32_PREC: tl.constexpr, CHILD_STAGES: tl.constexpr,
-        LEAF_STAGES: tl.constexpr, ATTN_STAGES: tl.constexpr):
+        s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_vb: tl.int64, s_v, s_tb: tl.int64,
+        s_sb: tl.int64, s_s, s_ob: tl.int64, s_o, s_lb: tl.int64, s_l, s_ib: tl.int64, s_ih,
+        SHAPE: tl.constexpr, MODE: tl.constexpr, PICK: tl.constexpr, STAGES: tl.constexpr):
     """Walk, leaf ranking and the attention of split ``i_s`` for sequence ``i_b``, KV head ``i_h``.
 
-    Levels are named by ``shift``: a node spans ``2 ** shift`` leaves (``LOG_G`` per level). The
-    walk ranks the ``n_walk`` levels between the root and the leaves of the ``T_max`` geometry,
-    from the highest whose free (causal, non-forced) nodes outnumber its beam: ``W`` above level
-    2, ``W2`` (``beam_leaf``) at level 2, whose children are the leaves. Register state between
-    levels: ``b_rest [WP]``, the kept free nodes (``n_rest`` of them) of the level above, and for
-    the leaf stage the kept level-2 nodes in ``[WPL]``; forced nodes are never carried, they
-    follow from ``cur``. ``W2 == W`` (and ``WPL == WP``: ``beam_leaf`` None or ``beam``) is one
-    loop over every ranked level; otherwise level 2 is ranked after the loop, into ``[WPL]``.
-    ``BOUND`` (``scorer="bound"``) scores internal nodes by their children's key bounds
-    ``p_maxs`` / ``p_mins`` (the layout and strides of ``p_sums``) instead of their means.
-    The sequence's pyramid is row ``i_c`` of ``p_sums`` (and bounds): its slot
-    ``p_bidx[i_b]`` with ``SLOT_IDX``, else ``i_b``. Its block ``i`` is key rows ``i * C ..``
-    of row ``i_c`` of the contiguous cache, or with ``PAGED`` rows ``p_bt[i_b, i] * C ..`` of
-    the pool (``s_kb = s_vb = 0``; 32-bit row arithmetic: 64-bit block offsets made the step a
-    quarter slower at 1M, ``docs/results_decode.md``). A slot
-    outside ``[0, n_slots)``, or a page read outside ``[0, n_pages)``, gives NaN rows like a bad
-    length (the slot, the page, read as 0).
+    36 parameters, past the 30 of ``utils.triton_utils``: one fused step reads ten tensors, each
+    with an int64 batch stride of its own beside its other strides (a tuple cannot hold an
+    int64-typed element), and seven runtime sizes that must not specialize; the constexprs are
+    four bundles. ``p_summary = (p_sums, p_mins, p_maxs)``: the cache's pyramid ``[slots,
+    N_total, HKV, D]`` fp32, one layout (strides ``s_sb``, ``s_s = (node, head)``); the bounds
+    are read with ``BOUND`` only. ``s_q``, ``s_k``, ``s_v``: (token, head) strides; ``s_o``,
+    ``s_l``: (head, split) strides of the outputs (partials with several splits).
+
+    Levels are named by ``shift``: a node spans ``2 ** shift`` leaves (``LOG_BRANCH`` per level).
+    The walk ranks the ``n_walk`` levels between the root and the leaves of the ``T_max``
+    geometry, from the highest whose free (causal, non-forced) nodes outnumber its beam: ``W``
+    above level 2, ``W2`` (``beam_leaf``) at level 2, whose children are the leaves. Register
+    state between levels: ``b_rest [WP]``, the kept free nodes (``n_rest`` of them) of the level
+    above, and for the leaf stage the kept level-2 nodes in ``[W2P]``; forced nodes are never
+    carried, they follow from ``cur``. ``W2 == W`` (and ``W2P == WP``: ``beam_leaf`` None or
+    ``beam``) is one loop over every ranked level; otherwise level 2 is ranked after the loop,
+    into ``[W2P]``. ``BOUND`` (``scorer="bound"``) scores internal nodes by their children's key
+    bounds ``p_maxs`` / ``p_mins`` instead of their means.
+    The sequence's pyramid is row ``i_c`` of the summaries: its slot ``p_slot[i_b]`` with
+    ``SLOT_IDX``, else ``i_b``. Its block ``i`` is key rows ``i * C ..`` of row ``i_c`` of the
+    contiguous cache, or with ``PAGED`` rows ``p_table[i_b, i] * C ..`` of the pool (``s_kb =
+    s_vb = 0``; 32-bit row arithmetic: 64-bit block offsets made the step a quarter slower at 1M,
+    ``docs/results_decode.md``). A slot outside ``[0, n_slots)``, or a page read outside
+    ``[0, n_pages)``, gives NaN rows like a bad length (the slot, the page, read as 0).
     Writes ``o`` rows (``p_o`` at split ``i_s``: the final output, or an fp32 partial) and their
-    natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending (``-1`` padded).
+    natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending (``-1`` padded, as
+    ``PICK`` fills a row).
     """
-    SPLIT_LEAF: tl.constexpr = (W2 != W) or (WPL != WP)
+    G: tl.constexpr = SHAPE.G
+    GP: tl.constexpr = SHAPE.GP
+    D: tl.constexpr = SHAPE.D
+    C: tl.constexpr = SHAPE.C
+    LOG_BRANCH: tl.constexpr = SHAPE.LOG_BRANCH
+    W: tl.constexpr = SHAPE.W
+    WP: tl.constexpr = SHAPE.WP
+    W2P: tl.constexpr = SHAPE.W2P
+    KPS: tl.constexpr = SHAPE.KPS
+    SLOTS_P: tl.constexpr = PICK.SLOTS_P
+    SPLIT_LEAF: tl.constexpr = (SHAPE.W2 != W) or (W2P != WP)
+    p_sums, p_mins, p_maxs = p_summary
+    s_qt, s_qh = s_q
+    s_kt, s_kh = s_k
+    s_vt, s_vh = s_v
+    s_sn, s_sh = s_s
     i_b, i_h, i_s = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, ROWS, 1, D, D)
+    b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, GP, 1, D, D)
     seqlen_in = tl.load(p_seqlens + i_b)
     # a length outside [0, T_max] (caller-owned lengths are not checked on the host: that would
     # sync) gives NaN rows, not a clamped, finite answer; so does a slot outside the cache
     m_bad = (seqlen_in < 0) | (seqlen_in > T_max)
     i_c = i_b
-    if SLOT_IDX:
-        i_c = tl.load(p_bidx + i_b)
+    if MODE.SLOT_IDX:
+        i_c = tl.load(p_slot + i_b)
         m_bad |= (i_c < 0) | (i_c >= n_slots)
         i_c = tl.where(m_bad, 0, i_c)
     i_c = i_c.to(tl.int64)
@@ -298,8 +346,8 @@ def _decode_kernel(
     t = seqlen - 1  # the query's position; -1 for an empty sequence (every key masked)
     cur = tl.maximum(t, 0) // C  # 0 for an empty sequence too: no free node at any level
     p_kh = p_k + i_c * s_kb + i_h * s_kh
-    p_btb = p_bt + i_b.to(tl.int64) * s_btb
-    if BOUND:  # the children's key maxs and mins, with the query rows split by sign
+    p_tb = p_table + i_b.to(tl.int64) * s_tb
+    if MODE.BOUND:  # the children's key maxs and mins, with the query rows split by sign
         p_sh = p_maxs + i_c * s_sb + i_h * s_sh
         p_lh = p_mins + i_c * s_sb + i_h * s_sh
         m_pos = b_q.to(tl.float32) * scale > 0
@@ -315,94 +363,93 @@ def _decode_kernel(
     # nodes' count (_free_end - 1) never shrinks going down. So skip those levels: the walk starts
     # at the first level with more, from all free nodes of the level above (none above the
     # highest walk level, whose parent is the root).
-    o_lv = tl.arange(0, 32)  # walk level i ranks shift LOG_G * (n_walk - i); n_walk < 32
-    n_free = tl.maximum(_free_end(cur, LOG_G * tl.maximum(n_walk - o_lv, 0)) - 1, 0)
+    o_lv = tl.arange(0, 32)  # walk level i ranks shift LOG_BRANCH * (n_walk - i); n_walk < 32
+    n_free = tl.maximum(_free_end(cur, LOG_BRANCH * tl.maximum(n_walk - o_lv, 0)) - 1, 0)
     if SPLIT_LEAF:  # level 2 (walk level n_walk - 1) is skipped only after every level above
         n_skip = tl.sum(((o_lv < n_walk - 1) & (n_free <= W)).to(tl.int32))
         n_free2 = tl.sum(tl.where(o_lv == n_walk - 1, n_free, 0))
-        n_skip += ((n_skip == n_walk - 1) & (n_free2 <= W2)).to(tl.int32)
+        n_skip += ((n_skip == n_walk - 1) & (n_free2 <= SHAPE.W2)).to(tl.int32)
         n_hi = n_walk - 1  # the loop ranks the levels above level 2
     else:
         n_skip = tl.sum(((o_lv < n_walk) & (n_free <= W)).to(tl.int32))
         n_hi = n_walk
-    shift = LOG_G * (n_walk - n_skip)  # of the first ranked level (0: none, leaves next)
-    n_rest = tl.maximum(_free_end(cur, shift + LOG_G) - 1, 0)
+    shift = LOG_BRANCH * (n_walk - n_skip)  # of the first ranked level (0: none, leaves next)
+    n_rest = tl.maximum(_free_end(cur, shift + LOG_BRANCH) - 1, 0)
     o_w = tl.arange(0, WP)
     b_rest = 1 + o_w
     # First sums row of the ranked level's children: the T_max geometry stores the levels
     # leaves first, cdiv(n_leaves, 2 ** s) nodes at shift s.
-    o_sh = LOG_G * tl.minimum(o_lv, 30 // LOG_G)
+    o_sh = LOG_BRANCH * tl.minimum(o_lv, 30 // LOG_BRANCH)
     n_nodes = (n_leaves + (1 << o_sh) - 1) >> o_sh
-    lo_c = tl.sum(tl.where(o_lv < shift // LOG_G - 1, n_nodes, 0))
+    lo_c = tl.sum(tl.where(o_lv < shift // LOG_BRANCH - 1, n_nodes, 0))
 
     # Ranked levels: each has more than W candidates (the first by the skip, the next ones
-    # G_BR * W children of the W kept nodes at least), so W are kept. The candidates are the
-    # children of the kept and of the forced nodes above (select_triton.candidates), scored per
+    # BRANCH * W children of the W kept nodes at least), so W are kept. The candidates are the
+    # children of the kept and of the forced nodes above (walk_triton.candidates), scored per
     # head by the LSE over their children's means (or bounds), summed over heads.
     for _ in range(n_skip, n_hi):
-        sc = shift - LOG_G  # the children's shift
-        o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_G), 0, G_BR, G_BR, WP)
+        sc = shift - LOG_BRANCH  # the children's shift
+        o_x, m_x = candidates(b_rest, n_rest, cur, cur, 1 << (shift + LOG_BRANCH), 0,
+                              SHAPE.BRANCH, SHAPE.BRANCH, WP)
         m_x = m_x & (o_x >= 1) & (o_x < _free_end(cur, shift))  # free nodes only
         b_sm = _child_lse(b_qa, b_qb, o_x, m_x, p_sh + lo_c.to(tl.int64) * s_sn,
-                          p_lh + lo_c.to(tl.int64) * s_sn, s_sn, _exp2i(-(sc + LOG_C)), scale,
-                          G_BR, D, F32_PREC, CHILD_STAGES, BOUND)
+                          p_lh + lo_c.to(tl.int64) * s_sn, s_sn, _exp2i(-(sc + SHAPE.LOG_C)),
+                          scale, SHAPE.BRANCH, D, STAGES.CHILD, MODE.BOUND)
         b_s = tl.sum(tl.where(m_row[:, None], b_sm, 0.), axis=0)
         b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WP)
         b_rest = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
         n_rest = W
         shift = sc
-        sg = tl.maximum(sc - LOG_G, 0)  # the grandchildren's (unused after the last level)
+        sg = tl.maximum(sc - LOG_BRANCH, 0)  # the grandchildren's (unused after the last level)
         lo_c = lo_c - ((n_leaves + (1 << sg) - 1) >> sg)
 
     if SPLIT_LEAF:
-        # Level 2 with its own beam W2, kept in [WPL]: skipped, all its free nodes 1 .. n_rest;
-        # ranked (shift == LOG_G, children the leaves: lo_c == 0), the best W2 of its free
+        # Level 2 with its own beam W2, kept in [W2P]: skipped, all its free nodes 1 .. n_rest;
+        # ranked (shift == LOG_BRANCH, children the leaves: lo_c == 0), the best W2 of its free
         # candidates, all of them (n_leaf of them, best first) when they are at most W2.
-        b_leaf = 1 + tl.arange(0, WPL)
+        b_leaf = 1 + tl.arange(0, W2P)
         n_leaf = n_rest
         if n_skip < n_walk:
             o_x, m_x, b_s = _level_scores(b_qa, b_qb, m_row, b_rest, n_rest, cur, shift,
                                           p_sh + lo_c.to(tl.int64) * s_sn,
-                                          p_lh + lo_c.to(tl.int64) * s_sn, s_sn, scale, LOG_C,
-                                          G_BR, LOG_G, D, WP, BOUND, F32_PREC, CHILD_STAGES)
-            b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WPL)
+                                          p_lh + lo_c.to(tl.int64) * s_sn, s_sn, scale, SHAPE,
+                                          MODE.BOUND, STAGES.CHILD)
+            b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), W2P)
             b_leaf = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
-            n_leaf = tl.minimum(tl.sum(m_x.to(tl.int32)), W2)
-        b_top, n_out = _leaf_top(b_q, m_row, b_leaf, n_leaf, cur, p_kh, p_btb, n_pages, s_kt,
-                                 scale, C, G_BR, D, ROWS, WPL, KS, PAGED, F32_PREC,
-                                 LEAF_STAGES)
+            n_leaf = tl.minimum(tl.sum(m_x.to(tl.int32)), SHAPE.W2)
+        b_top, n_out = _leaf_top(b_q, m_row, b_leaf, n_leaf, cur, p_kh, p_tb, n_pages, s_kt,
+                                 scale, W2P, SHAPE, MODE.PAGED, STAGES.LEAF)
     else:
-        b_top, n_out = _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kt,
-                                 scale, C, G_BR, D, ROWS, WP, KS, PAGED, F32_PREC,
-                                 LEAF_STAGES)
+        b_top, n_out = _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_tb, n_pages, s_kt,
+                                 scale, WP, SHAPE, MODE.PAGED, STAGES.LEAF)
 
     # The selected blocks, ascending; at most SLOTS entries are used.
     b_row, _ = selection_row(tl.full([1], 0, tl.int32) + cur, b_top[None, :],
-                             tl.zeros([1], tl.int32), TOPK, IN_BUDGET, SP)
-    b_sel = tl.reshape(b_row, [SP])
-    o_s = tl.arange(0, SP)
-    if WRITE_IDX:
+                             tl.zeros([1], tl.int32), PICK.TOPK, PICK.IN_BUDGET, SLOTS_P)
+    b_sel = tl.reshape(b_row, [SLOTS_P])
+    o_s = tl.arange(0, SLOTS_P)
+    if MODE.WRITE_IDX:
         if i_s == 0:
-            tl.store(p_idx + i_b * s_ib + i_h * s_ih + o_s, b_sel, mask=o_s < SLOTS)
+            tl.store(p_idx + i_b * s_ib + i_h * s_ih + o_s, b_sel, mask=o_s < PICK.SLOTS)
 
     # Attention over this split's share of the list (online softmax in base 2). Every split
     # looks up the pages of the whole list (one load), so all agree on a page outside the pool.
     b_att = b_sel
-    if PAGED:
-        b_id, m_out = _pages(p_btb, b_sel, (b_sel >= 0) & (b_sel * C <= t), n_pages)
+    if MODE.PAGED:
+        b_id, m_out = _pages(p_tb, b_sel, (b_sel >= 0) & (b_sel * C <= t), n_pages)
         m_bad |= (n_out + tl.sum(m_out.to(tl.int32))) > 0
         b_att = tl.where(m_out, -1, b_sel)  # a block without a page is not read (NaN row)
     p_vh = p_v + i_c * s_vb + i_h * s_vh
     o_t = tl.arange(0, C)
-    b_m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([ROWS], dtype=tl.float32)
-    b_acc = tl.zeros([ROWS, D], dtype=tl.float32)
-    for j in tl.range(0, KPS, num_stages=ATTN_STAGES):
+    b_m = tl.full([GP], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([GP], dtype=tl.float32)
+    b_acc = tl.zeros([GP, D], dtype=tl.float32)
+    for j in tl.range(0, KPS, num_stages=STAGES.ATTN):
         m_j = o_s == i_s * KPS + j
         blk = tl.sum(tl.where(m_j, b_att + 1, 0)) - 1
         m_key = (blk >= 0) & (blk * C + o_t <= t)
         i_id = blk  # where the block's rows start: block (contiguous) or page index
-        if PAGED:
+        if MODE.PAGED:
             i_id = tl.sum(tl.where(m_j, b_id, 0))
         o_key = (i_id * C + o_t).to(tl.int64)
         b_k = load_rows(p_kh, o_key * s_kt, m_key, D)
@@ -410,22 +457,24 @@ def _decode_kernel(
         b_z = tl.where(m_key[None, :], dot_nt(b_q, b_k, F32_PREC) * scale_log2, float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_z, b_v, b_m, b_l, b_acc, F32_PREC)
 
-    o_head = i_h * G + tl.arange(0, ROWS)
+    o_head = i_h * G + tl.arange(0, GP)
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
     b_o = tl.where(m_bad, float("nan"), b_o)
     b_lse = tl.where(m_bad, float("nan"), b_lse)
+    s_oh, s_os = s_o
+    s_lh, s_ls = s_l
     store_rows(p_o + i_b.to(tl.int64) * s_ob + i_s * s_os, o_head * s_oh, m_row, b_o, D)
     tl.store(p_lse + i_b * s_lb + o_head * s_lh + i_s * s_ls, b_lse, mask=m_row)
 
 
 @triton.jit
 def _combine_kernel(p_po, p_plse, p_o, p_lse, HQ, s_ob: tl.int64, s_oh,
-                    SPLITS: tl.constexpr, SPP: tl.constexpr, D: tl.constexpr):
+                    SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, D: tl.constexpr):
     """Merge the ``SPLITS`` partials ``[B, HQ, SPLITS, D]`` of head ``i_q`` of sequence ``i_b`` by
     their LSE (splits without a key have ``lse = -inf`` and weigh 0; a NaN split makes the sum,
     hence ``o`` and ``lse``, NaN)."""
     i_b, i_q = tl.program_id(0), tl.program_id(1)
-    o_sp = tl.arange(0, SPP)
+    o_sp = tl.arange(0, SPLITS_P)
     m_sp = o_sp < SPLITS
     row = (i_b * HQ + i_q) * SPLITS
     b_lse = tl.load(p_plse + row + o_sp, mask=m_sp, other=float("-inf"))
@@ -463,8 +512,8 @@ def default_num_splits(batch: int, kv_heads: int, slots: int, device: torch.devi
 def _stages(num_stages: int, tile_bytes: int, trips: int) -> int:
     """``num_stages`` of a loop loading one ``tile_bytes`` tile an iteration: up to
     ``num_stages - 1`` tiles in flight, no more than the loop has iterations or than fit
-    ``_STAGE_SMEM`` bytes of shared memory (1: no pipelining)."""
-    return 1 + max(0, min(num_stages - 1, trips, _STAGE_SMEM // tile_bytes))
+    ``triton_utils.DECODE_STAGE_SMEM`` bytes of shared memory (1: no pipelining)."""
+    return 1 + max(0, min(num_stages - 1, trips, DECODE_STAGE_SMEM // tile_bytes))
 
 
 def _check_supported(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -504,14 +553,14 @@ def _check_supported(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torc
 
 
 def beam_widths(cfg: SelectConfig, n_leaves: int) -> tuple[int, int, int, int]:
-    """``(W, WP, W2, WPL)``: the beam above level 2 and at level 2 (``beam_leaf``), each capped
+    """``(W, WP, W2, W2P)``: the beam above level 2 and at level 2 (``beam_leaf``), each capped
     at the leaf count (no level has more candidates, so the cap changes no selection), and their
     register widths: ``WP`` for the levels above (>= 4: the candidates' 4 forced-parent slots, and
-    >= 16 candidate columns), ``WPL`` for level 2, at most the ``2 * g * WP`` candidates a level
+    >= 16 candidate columns), ``W2P`` for level 2, at most the ``2 * g * WP`` candidates a level
     holds (every level-2 node the leaf stage may take fits it: ``docs/spec.md`` §11 and
-    ``select.triton._beam_geometry``). ``WPL == WP`` when ``W2 == W`` (``beam_leaf`` None or
+    ``select.triton.beam_geometry``). ``W2P == WP`` when ``W2 == W`` (``beam_leaf`` None or
     ``beam``): the kernel of a single beam. ``ValueError`` for widths whose register tiles
-    (``2 * g * WP`` candidates of a level, ``2 * g * WPL`` of the leaf stage) pass 1024."""
+    (``2 * g * WP`` candidates of a level, ``2 * g * W2P`` of the leaf stage) pass 1024."""
     g = cfg.branching
     W = min(cfg.beam, n_leaves)
     WP = max(pow2(W), 4)  # candidates' 4 forced-parent slots (and >= 16 candidate columns)
@@ -521,11 +570,11 @@ def beam_widths(cfg: SelectConfig, n_leaves: int) -> tuple[int, int, int, int]:
     W2 = min(cfg.beam_at(2), n_leaves)
     if W2 == W:
         return W, WP, W, WP
-    WPL = max(4, min(pow2(W2), 2 * g * WP))
-    if 2 * g * WPL > 1024:
+    W2P = max(4, min(pow2(W2), 2 * g * WP))
+    if 2 * g * W2P > 1024:
         raise ValueError(f"beam_leaf={cfg.beam_leaf} is too wide for the Triton decode kernel "
                          f"at branching={g}: use beam_leaf <= {512 // g}")
-    return W, WP, W2, WPL
+    return W, WP, W2, W2P
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -581,13 +630,13 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps, num_stages)
     B, _, HQ, D = q.shape
-    HKV, C, g = k_cache.shape[2], cfg.block_size, cfg.branching
+    HKV, C, branching = k_cache.shape[2], cfg.block_size, cfg.branching
     paged = block_table is not None
     T_max = block_table.shape[1] * C if paged else k_cache.shape[1]
     G = HQ // HKV
-    offsets = level_offsets(T_max, C, g)
+    offsets = level_offsets(T_max, C, branching)
     n_levels, n_leaves = len(offsets) - 1, offsets[1]
-    W, WP, W2, WPL = beam_widths(cfg, n_leaves)
+    W, WP, W2, W2P = beam_widths(cfg, n_leaves)
     bound = cfg.scorer == "bound"
     if bound and (mins is None or maxs is None):
         raise ValueError("scorer='bound' needs the cache's key bounds mins and maxs")
@@ -627,24 +676,23 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     table = block_table if paged else cache_seqlens  # an unused pointer when contiguous
     slot_idx = cache_batch_idx if cache_batch_idx is not None else cache_seqlens  # unused
     _decode_kernel[(B, HKV, splits)](
-        q, k_cache, v_cache, sums, mins, maxs, cache_seqlens, table, slot_idx, out, out_lse,
+        q, k_cache, v_cache, (sums, mins, maxs), cache_seqlens, table, slot_idx, out, out_lse,
         block_idx, T_max, n_leaves, max(n_levels - 2, 0), k_cache.shape[0], sums.shape[0],
-        cfg.scale, cfg.scale * LOG2E, q.stride(0), q.stride(1), q.stride(2), *k_strides,
-        *v_strides, table.stride(0), sums.stride(0), sums.stride(1), sums.stride(2),
-        *o_strides, *l_strides, block_idx.stride(0), block_idx.stride(2),
-        G=G, ROWS=max(pow2(G), _MIN_ROWS), D=D, C=C, LOG_C=C.bit_length() - 1, G_BR=g,
-        LOG_G=g.bit_length() - 1, W=W, WP=WP, W2=W2, WPL=WPL, BOUND=bound, PAGED=paged,
-        SLOT_IDX=cache_batch_idx is not None,
-        KS=min(2 * g * WPL, pow2(cfg.topk)), TOPK=cfg.topk, IN_BUDGET=cfg.forced_in_budget,
-        SLOTS=slots, SP=pow2(slots), KPS=kps, WRITE_IDX=return_block_idx,
-        F32_PREC=F32_PRECISION,
+        cfg.scale, cfg.scale * LOG2E, q.stride(0), q.stride()[1:3], k_strides[0], k_strides[1:],
+        v_strides[0], v_strides[1:], table.stride(0), sums.stride(0), sums.stride()[1:3],
+        o_strides[0], o_strides[1:], l_strides[0], l_strides[1:], block_idx.stride(0),
+        block_idx.stride(2),
+        DecodeShape(G, max(pow2(G), _MIN_ROWS), D, C, C.bit_length() - 1, branching,
+                    branching.bit_length() - 1, W, WP, W2, W2P,
+                    min(2 * branching * W2P, pow2(cfg.topk)), kps),
+        DecodeModes(bound, paged, cache_batch_idx is not None, return_block_idx), pick_of(cfg),
         # tiles: a level's candidates' fp32 child sums (maxs and mins: two), a parent's leaf
         # keys, a block's K and V
-        CHILD_STAGES=_stages(stages, 2 * g * WP * D * 4 * (2 if bound else 1), g),
-        LEAF_STAGES=_stages(stages, g * C * D * es, WPL + 3),
-        ATTN_STAGES=_stages(stages, 2 * C * D * es, kps),
+        DecodeStages(_stages(stages, 2 * branching * WP * D * 4 * (2 if bound else 1), branching),
+                     _stages(stages, branching * C * D * es, W2P + 3),
+                     _stages(stages, 2 * C * D * es, kps)),
         num_warps=num_warps or _NUM_WARPS, num_stages=stages)
     if splits > 1:
         _combine_kernel[(B, HQ)](out, out_lse, o, lse, HQ, o.stride(0), o.stride(2),
-                                 SPLITS=splits, SPP=pow2(splits), D=D, num_warps=4)
+                                 SPLITS=splits, SPLITS_P=pow2(splits), D=D, num_warps=4)
     return (o, lse, block_idx) if return_block_idx else (o, lse)

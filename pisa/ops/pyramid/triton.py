@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ..utils.geometry import Pyramid, cdiv, level_offsets, pow2
 from ..utils.op import device_offsets, empty
+from ..utils.triton_utils import strides_of
 
 
 # ------------------------------------------------------------------------------------------------
@@ -27,15 +28,19 @@ from ..utils.op import device_offsets, empty
 @triton.jit(do_not_specialize=["T"])
 def _pyramid_chunk_kernel(
         p_k, p_means, p_counts, p_sums, p_mins, p_maxs, p_smin, p_smax, p_off, T,
-        s_kb: tl.int64, s_kt, s_kh, s_mb: tl.int64, s_mn, s_mh, s_sb: tl.int64, s_sn, s_sh,
+        s_kb: tl.int64, s_k, s_mb: tl.int64, s_m, s_sb: tl.int64, s_s,
         C: tl.constexpr, CB: tl.constexpr, LEAVES: tl.constexpr, LEVELS: tl.constexpr,
-        G_BR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, WRITE_SUMS: tl.constexpr,
+        BRANCH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, WRITE_SUMS: tl.constexpr,
         BOUNDS: tl.constexpr):
     """Leaves ``[i_c * LEAVES, (i_c + 1) * LEAVES)`` and the ``LEVELS`` levels of nodes above them
     that lie inside this chunk; the sums of the topmost of those levels go to ``p_sums`` when the
     top kernel must continue from them. ``BOUNDS``: also the per-channel min / max of each node's
     keys into ``p_mins`` / ``p_maxs`` (the strides of ``p_means``), and those of the topmost level
-    into ``p_smin`` / ``p_smax`` (the strides of ``p_sums``) for the top kernel."""
+    into ``p_smin`` / ``p_smax`` (the strides of ``p_sums``) for the top kernel. ``s_k``: the
+    keys' (token, head) strides; ``s_m``, ``s_s``: (node, head) strides."""
+    s_kt, s_kh = s_k
+    s_mn, s_mh = s_m
+    s_sn, s_sh = s_s
     i_c, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     o_leaf = i_c * LEAVES + tl.arange(0, LEAVES)
     o_cb = tl.arange(0, CB)
@@ -60,12 +65,12 @@ def _pyramid_chunk_kernel(
     o_node = o_leaf
     for lv in tl.static_range(LEVELS + 1):
         if lv > 0:
-            # Fold G_BR siblings (adjacent rows: chunks are aligned to G_BR**LEVELS leaves).
-            b_sum = tl.sum(tl.reshape(b_sum, [b_sum.shape[0] // G_BR, G_BR, DP]), axis=1)
+            # Fold BRANCH siblings (adjacent rows: chunks are aligned to BRANCH**LEVELS leaves).
+            b_sum = tl.sum(tl.reshape(b_sum, [b_sum.shape[0] // BRANCH, BRANCH, DP]), axis=1)
             if BOUNDS:
-                b_min = tl.min(tl.reshape(b_min, [b_min.shape[0] // G_BR, G_BR, DP]), axis=1)
-                b_max = tl.max(tl.reshape(b_max, [b_max.shape[0] // G_BR, G_BR, DP]), axis=1)
-            b_n = tl.sum(tl.reshape(b_n, [b_n.shape[0] // G_BR, G_BR]), axis=1)
+                b_min = tl.min(tl.reshape(b_min, [b_min.shape[0] // BRANCH, BRANCH, DP]), axis=1)
+                b_max = tl.max(tl.reshape(b_max, [b_max.shape[0] // BRANCH, BRANCH, DP]), axis=1)
+            b_n = tl.sum(tl.reshape(b_n, [b_n.shape[0] // BRANCH, BRANCH]), axis=1)
             o_node = i_c * b_n.shape[0] + tl.arange(0, b_n.shape[0])
         lo = tl.load(p_off + lv)
         m_node = o_node < tl.load(p_off + lv + 1) - lo
@@ -92,12 +97,15 @@ def _pyramid_chunk_kernel(
 @triton.jit(do_not_specialize=["T", "lvl0", "n_levels", "span0"])
 def _pyramid_top_kernel(
         p_means, p_counts, p_sums, p_mins, p_maxs, p_smin, p_smax, p_off, T, lvl0, n_levels,
-        span0, s_mb: tl.int64, s_mn, s_mh, s_sb: tl.int64, s_sn, s_sh,
-        C: tl.constexpr, G_BR: tl.constexpr, PB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        BOUNDS: tl.constexpr):
+        span0, s_mb: tl.int64, s_m, s_sb: tl.int64, s_s,
+        C: tl.constexpr, BRANCH: tl.constexpr, PB: tl.constexpr, D: tl.constexpr,
+        DP: tl.constexpr, BOUNDS: tl.constexpr):
     """Levels ``lvl0 + 1 .. n_levels`` from the sums of level ``lvl0`` (rows of ``p_sums``, which
     this program extends level by level: row ``r`` holds pyramid row ``offsets[lvl0 - 1] + r``);
-    ``BOUNDS``: the mins / maxs likewise from ``p_smin`` / ``p_smax``."""
+    ``BOUNDS``: the mins / maxs likewise from ``p_smin`` / ``p_smax``. ``s_m``, ``s_s``: (node,
+    head) strides."""
+    s_mn, s_mh = s_m
+    s_sn, s_sh = s_s
     i_h, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = tl.arange(0, DP)
     m_d = o_d < D
@@ -115,8 +123,8 @@ def _pyramid_top_kernel(
             b_sum = tl.zeros([PB, DP], dtype=tl.float32)
             b_min = tl.full([PB, DP], float("inf"), dtype=tl.float32)
             b_max = tl.full([PB, DP], float("-inf"), dtype=tl.float32)
-            for r in range(0, G_BR):
-                o_c = o_p * G_BR + r
+            for r in range(0, BRANCH):
+                o_c = o_p * BRANCH + r
                 m_c = (m_p & (o_c < lo - lo_c))[:, None] & m_d[None, :]
                 o = o_sh + (lo_c - base + o_c).to(tl.int64)[:, None] * s_sn + o_d[None, :]
                 b_sum += tl.load(p_sums + o, mask=m_c, other=0.)
@@ -139,7 +147,7 @@ def _pyramid_top_kernel(
                 tl.store(p_counts + lo + o_p, b_n, mask=m_p)
         # The next level reads the sums this level's threads just wrote.
         tl.debug_barrier()
-        span = span * G_BR
+        span = span * BRANCH
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,7 +171,7 @@ def _launch_pyramid_build(k: torch.Tensor, block_size: int, branching: int,
     off = device_offsets(tuple(offsets), k.device)
     DP = max(16, pow2(D))
     leaves = pow2(leaves_per_program)
-    # In-chunk levels need G_BR siblings to be adjacent rows of a power-of-two register tile.
+    # In-chunk levels need BRANCH siblings to be adjacent rows of a power-of-two register tile.
     levels = 0
     if g & (g - 1) == 0:
         while g ** (levels + 1) <= leaves and levels + 1 < n_levels:
@@ -182,16 +190,14 @@ def _launch_pyramid_build(k: torch.Tensor, block_size: int, branching: int,
     grid = (cdiv(offsets[1], leaves), H, B)
     _pyramid_chunk_kernel[grid](
         k, means, counts, sums, p_mins, p_maxs, smin, smax, off, T,
-        k.stride(0), k.stride(1), k.stride(2), means.stride(0), means.stride(1), means.stride(2),
-        sums.stride(0), sums.stride(1), sums.stride(2),
-        C=C, CB=CB, LEAVES=leaves, LEVELS=levels, G_BR=g, D=D, DP=DP, WRITE_SUMS=write_sums,
+        *strides_of(k), *strides_of(means), *strides_of(sums),
+        C=C, CB=CB, LEAVES=leaves, LEVELS=levels, BRANCH=g, D=D, DP=DP, WRITE_SUMS=write_sums,
         BOUNDS=bounds, num_warps=4)
     if write_sums:
         _pyramid_top_kernel[(H, B)](
             means, counts, sums, p_mins, p_maxs, smin, smax, off, T, levels + 1, n_levels,
-            g ** (levels + 1), means.stride(0), means.stride(1), means.stride(2),
-            sums.stride(0), sums.stride(1), sums.stride(2),
-            C=C, G_BR=g, PB=32, D=D, DP=DP, BOUNDS=bounds, num_warps=4)
+            g ** (levels + 1), *strides_of(means), *strides_of(sums),
+            C=C, BRANCH=g, PB=32, D=D, DP=DP, BOUNDS=bounds, num_warps=4)
     return means, counts, mins, maxs
 
 

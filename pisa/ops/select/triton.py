@@ -39,9 +39,10 @@ read. With ``sum`` / ``lse`` rows (``Qt * G`` a tile) a pair moves ``Qt * G * D`
 more than the parent's keys; those reductions are FLOP-bound anyway (the leaf products cost as
 much as the attention).
 
-``candidates``, ``forced_parents`` and ``leaf_scores`` are primitives the fused decode kernel
-(``pisa.ops.decode.triton``) reuses; ``rows_at``, ``mean_rows``, ``split_rows``,
-``tile_token_scores`` and ``key_logits`` serve the flat scan (``select.flat``) too.
+The walk's primitives that the fused decode kernel (``pisa.ops.decode.triton``) shares live in
+``utils.walk_triton`` (``candidates``, ``forced_parents``, ``leaf_keys``, ``leaf_scores``);
+``rows_at``, ``mean_rows``, ``split_rows`` and ``tile_token_scores`` serve the flat scan
+(``select.flat``) too.
 
 Limits: ``W <= 512 / next_pow2(g)`` (``W`` the beam above level 2, capped at the leaf count, or
 at the level-3 node count where it would not fit: ``beam_geometry``; beams that cover every
@@ -52,7 +53,7 @@ walk takes 150 registers a thread per token, 198 for ``qmean`` tiles, no spills)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -62,21 +63,61 @@ from ..pyramid import Pyramid
 from ..utils.config import SelectConfig, n_query_tiles
 from ..utils.csr import sort_by_key
 from ..utils.geometry import cdiv, level_offsets, pow2
-from ..utils.op import (F32_PRECISION, KEY_NONE, device_offsets, dot_nt, empty, key_scores,
-                        pack, selection_row, store_selection, token_sums, unpack_idx)
+from ..utils.launch import SelectLaunch
+from ..utils.op import (KEY_NONE, LN2_K, LOG2E_K, device_offsets, dot_nt, empty, pack,
+                        selection_row, store_selection, unpack_idx)
+from ..utils.triton_utils import (F32_PREC, SELECT_STAGE_SMEM, SLOT_NONE,
+                                  pick_of, strides_of)
+from ..utils.walk_triton import candidates, forced_parents, leaf_keys, leaf_tile_scores
 
 SCORER_ID = {"lse": 0, "mean": 1, "meanvar": 2}
 # Tile reductions in the kernels: a sum or a log-sum-exp over the tile's tokens ("qmean" tiles
 # hold one virtual token, so their reduction is the sum of one).
 REDUCE_ID = {"sum": 0, "lse": 1, "qmean": 0}
-# Query rows (tokens; qmean tiles: a row a tile) whose (tile, parent) pairs share one leaf-stage
-# grid row: chunks keep a group's rows close in memory (cache locality of their gathered rows).
-# 1024: 10.2 ms vs 11.4 at 4096 for the default tiles at 128K (select_tune_h200.json).
-LEAF_CHUNK = 1024
 # Query rows the walk scores in one product: a tile with more (Qt * G > 64, sum / lse) is scored
 # in chunks of whole tokens, each level's [candidates, rows] fp32 tiles staying ~32 registers a
 # thread at 4 warps.
 WALK_ROWS = 64
+
+
+class Rows(NamedTuple):
+    """A tile's query rows in the walk and the leaf stage (one ``tl.constexpr``). Row
+    ``i * GP + h`` of a chunk is head ``h`` of its ``i``-th token; a tile's rows come ``TB``
+    tokens a product, in ``NCH`` chunks."""
+
+    QT: int      # query positions a tile (1: per-token selection)
+    G: int       # query heads per KV head
+    GP: int      # rows a token: G padded (so that a product has >= 16 rows)
+    TB: int      # tokens a product
+    NCH: int     # products a tile (chunks of TB tokens)
+    D: int       # head dim
+    DP: int      # D padded to a power of two >= 16
+    RESID: int   # element offset of the rows' 16-bit residuals (0: none)
+    MEAN: bool   # qmean tiles: the rows are the tile's G per-head mean queries
+    REDUCE: int  # how a tile's tokens fold: 0 sum, 1 log-sum-exp (REDUCE_ID)
+
+
+class Tree(NamedTuple):
+    """The walk's geometry: block size, branching and beams, and their register widths."""
+
+    C: int          # keys a leaf block
+    BRANCH: int     # children a node (the pyramid's ``g``)
+    BRANCH_P: int   # BRANCH padded to a power of two
+    W: int          # beam above level 2
+    W2: int         # beam at level 2 (``beam_leaf``)
+    WP: int         # register width of a level's kept nodes above level 2 (>= W)
+    W2P: int        # register width of level 2's kept nodes (>= W2)
+    PAR_SLOTS: int  # level-2 parent slots a tile writes: W2P kept + 3 forced
+    PAR_SLOTS_P: int  # PAR_SLOTS padded to a power of two
+
+
+class Scoring(NamedTuple):
+    """How the walk scores a candidate from its children's summaries."""
+
+    SCORER: int      # 0 lse, 1 mean, 2 meanvar (SCORER_ID; the bound scorer ranks by lse)
+    BOUND: bool      # the summaries are per-node key maxs then mins (``scorer="bound"``)
+    MIN_OFFSET: int  # BOUND: element offset of a node's mins from its maxs
+    SUM_RESID: int   # element offset of the summaries' 16-bit residuals (0: none)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -84,38 +125,39 @@ WALK_ROWS = 64
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def rows_at(p_rh, s_rt, s_rh, o_tok, o_head, m_row, D: tl.constexpr, DP: tl.constexpr,
-            LO_R: tl.constexpr):
+def rows_at(p_rh, s_r, o_tok, o_head, m_row, D: tl.constexpr, DP: tl.constexpr,
+            RESID: tl.constexpr):
     """Query rows ``[R, DP]``: row ``r`` is token ``o_tok[r]``, head ``o_head[r]`` (from ``p_rh``,
-    a group's first head; 64-bit offsets), zeros outside ``m_row`` and past ``D``; and the rows'
-    16-bit residuals ``LO_R`` elements on when ``LO_R > 0`` (else the rows again)."""
+    a group's first head, token and head strides ``s_r``; 64-bit offsets), zeros outside
+    ``m_row`` and past ``D``; and the rows' 16-bit residuals ``RESID`` elements on when
+    ``RESID > 0`` (else the rows again)."""
+    s_rt, s_rh = s_r
     o_d = tl.arange(0, DP)
     p = p_rh + o_tok.to(tl.int64)[:, None] * s_rt + o_head.to(tl.int64)[:, None] * s_rh \
         + o_d[None, :]
     m = m_row[:, None] & (o_d < D)[None, :]
     b_q = tl.load(p, mask=m, other=0.)
     b_ql = b_q
-    if LO_R > 0:
-        b_ql = tl.load(p + LO_R, mask=m, other=0.)
+    if RESID > 0:
+        b_ql = tl.load(p + RESID, mask=m, other=0.)
     return b_q, b_ql
 
 
 @triton.jit
-def tile_rows(p_rh, s_rt, s_rh, r_lo, r_hi, G: tl.constexpr, GP: tl.constexpr,
-              TB: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, LO_R: tl.constexpr):
+def tile_rows(p_rh, s_r, r_lo, r_hi, ROWS: tl.constexpr):
     """The rows ``[TB * GP, DP]`` of tokens ``r_lo .. r_lo + TB`` (row ``i * GP + h``: head ``h`` of
     token ``r_lo + i``; tokens from ``r_hi`` on and heads from ``G`` on are zero), their residuals
     (``rows_at``) and which rows are real."""
-    o_m = tl.arange(0, TB * GP)
-    o_t = r_lo + o_m // GP
-    o_h = o_m % GP
-    m_row = (o_h < G) & (o_t < r_hi)
-    b_q, b_ql = rows_at(p_rh, s_rt, s_rh, o_t, o_h, m_row, D, DP, LO_R)
+    o_m = tl.arange(0, ROWS.TB * ROWS.GP)
+    o_t = r_lo + o_m // ROWS.GP
+    o_h = o_m % ROWS.GP
+    m_row = (o_h < ROWS.G) & (o_t < r_hi)
+    b_q, b_ql = rows_at(p_rh, s_r, o_t, o_h, m_row, ROWS.D, ROWS.DP, ROWS.RESID)
     return b_q, b_ql, m_row
 
 
 @triton.jit
-def mean_rows(p_rh, s_rt, s_rh, o_tok0, o_head, m_row, Tq, QT: tl.constexpr, D: tl.constexpr,
+def mean_rows(p_rh, s_r, o_tok0, o_head, m_row, Tq, QT: tl.constexpr, D: tl.constexpr,
               DP: tl.constexpr):
     """``[R, DP]`` fp32: per row ``r`` the mean of head ``o_head[r]`` over the real query tokens
     (``[0, Tq)``) among ``o_tok0[r] .. o_tok0[r] + QT`` (a tile's positions; zero rows outside
@@ -126,7 +168,7 @@ def mean_rows(p_rh, s_rt, s_rh, o_tok0, o_head, m_row, Tq, QT: tl.constexpr, D: 
     for t in range(0, QT):
         o_t = o_tok0 + t
         m_t = m_row & (o_t >= 0) & (o_t < Tq)
-        b_x, _ = rows_at(p_rh, s_rt, s_rh, o_t, o_head, m_t, D, DP, 0)
+        b_x, _ = rows_at(p_rh, s_r, o_t, o_head, m_t, D, DP, 0)
         b_acc += b_x.to(tl.float32)
         b_n += m_t.to(tl.float32)
     return b_acc / tl.maximum(b_n, 1.)[:, None]
@@ -140,16 +182,6 @@ def split_rows(b_x, DTYPE: tl.constexpr):
     b_hi = b_x.to(DTYPE)
     b_lo = (b_x - b_hi.to(tl.float32)).to(DTYPE)
     return b_hi, b_lo
-
-
-@triton.jit
-def key_logits(b_q, b_ql, b_k, QLO: tl.constexpr, F32_PREC: tl.constexpr):
-    """``[M, N]`` fp32: rows ``b_q [M, DP]`` (plus their residuals ``b_ql`` when ``QLO``) dotted
-    with keys ``b_k [N, DP]`` of their dtype."""
-    b_z = dot_nt(b_q, b_k, F32_PREC)
-    if QLO:
-        b_z += dot_nt(b_ql, b_k, F32_PREC)
-    return b_z
 
 
 @triton.jit
@@ -211,118 +243,44 @@ def tile_token_scores(b_tok, m_row, NT: tl.constexpr, QR: tl.constexpr, GP: tl.c
 
 
 # ------------------------------------------------------------------------------------------------
-# Walk primitives (shared with the decode kernel)
-# ------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C: tl.constexpr, CP: tl.constexpr, DP: tl.constexpr,
-              D: tl.constexpr):
-    """The keys ``[L * CP, DP]`` of the full leaf blocks ``o_leaf [L]`` (``CP > C`` pads with zero
-    rows, for 16-column dots). Leaves outside ``m_leaf`` are not loaded (zeros)."""
-    L: tl.constexpr = o_leaf.shape[0]
-    o_c = tl.arange(0, CP)
-    o_d = tl.arange(0, DP)
-    m_key = m_leaf[:, None] & (o_c < C)[None, :]  # [L, CP]
-    o_key = tl.reshape(o_leaf[:, None] * C + o_c[None, :], [L * CP])
-    p = p_kh + o_key.to(tl.int64)[:, None] * s_kt + o_d[None, :]
-    return tl.load(p, mask=tl.reshape(m_key, [L * CP])[:, None] & (o_d < D)[None, :], other=0.)
-
-
-@triton.jit
-def leaf_tile_scores(b_q, b_ql, m_row, b_k, scale, BT: tl.constexpr, GP: tl.constexpr,
-                     C: tl.constexpr, CP: tl.constexpr, SCORER: tl.constexpr, QLO: tl.constexpr,
-                     F32_PREC: tl.constexpr):
-    """Scores ``[BT, L]`` of the leaves whose keys ``leaf_keys`` loaded into ``b_k [L * CP, DP]``,
-    for the ``BT`` tokens of the query rows ``b_q [BT * GP, DP]`` (with their residuals ``b_ql``
-    when ``QLO``): one dot (two), then per block and row ``key_scores``, summed over each token's
-    heads."""
-    M: tl.constexpr = b_q.shape[0]
-    L: tl.constexpr = b_k.shape[0] // CP
-    o_c = tl.arange(0, CP)
-    b_z = tl.reshape(key_logits(b_q, b_ql, b_k, QLO, F32_PREC) * scale, [M, L, CP])
-    return token_sums(key_scores(b_z, (o_c < C)[None, None, :], C, SCORER), m_row, BT, GP)
-
-
-@triton.jit
-def leaf_scores(b_q, m_row, b_k, scale, BT: tl.constexpr, GP: tl.constexpr, C: tl.constexpr,
-                CP: tl.constexpr, SCORER: tl.constexpr, F32_PREC: tl.constexpr):
-    """``leaf_tile_scores`` of rows without residuals."""
-    return leaf_tile_scores(b_q, b_q, m_row, b_k, scale, BT, GP, C, CP, SCORER, False, F32_PREC)
-
-
-@triton.jit
-def forced_parents(o_p, c0, c1, span, s0):
-    """Forced nodes ``[a(s0), a(max(c0 - 1, s0)), a(c0), a(c1)]`` (``a(x) = x // span``; ``s0``
-    the sink, the first block of the sequence: 0, or a packed sequence's) at slot ``o_p``, and
-    whether the slot holds a node not already listed (the list is non-decreasing)."""
-    a_sink = s0 // span
-    a_prev = tl.maximum(c0 - 1, s0) // span
-    a_cur = c0 // span
-    a_last = c1 // span
-    par = tl.where(o_p == 0, a_sink, tl.where(o_p == 1, a_prev, tl.where(o_p == 2, a_cur, a_last)))
-    before = tl.where(o_p == 1, a_sink, tl.where(o_p == 2, a_prev, a_cur))
-    return par, (o_p == 0) | (par != before)
-
-
-@triton.jit
-def candidates(b_rest, n_rest, c0, c1, span_up, s0, G_BR: tl.constexpr, GBP: tl.constexpr,
-               WP: tl.constexpr):
-    """Candidate nodes ``[2 * GBP * WP]`` of a level and which slots hold one: the children of the
-    kept nodes ``b_rest`` of the level above (``span_up`` leaves per node) interleaved with the
-    children of that level's forced nodes (``forced_parents`` of the sink ``s0``, ``GBP`` slots
-    each)."""
-    NA: tl.constexpr = GBP * WP
-    o_w = tl.arange(0, WP)
-    o_c = tl.arange(0, GBP)
-    o_a = tl.reshape(b_rest[None, :] * G_BR + o_c[:, None], [NA])
-    m_a = tl.reshape((o_w[None, :] < n_rest) & (o_c[:, None] < G_BR), [NA])
-    o_f = tl.arange(0, NA)
-    par, m_par = forced_parents(o_f // GBP, c0, c1, span_up, s0)
-    o_b = par * G_BR + o_f % GBP
-    m_b = m_par & (o_f < 4 * GBP) & (o_f % GBP < G_BR)
-    return tl.reshape(tl.join(o_a, o_b), [2 * NA]), tl.reshape(tl.join(m_a, m_b), [2 * NA])
-
-
-# ------------------------------------------------------------------------------------------------
 # Node scores and the walk
 # ------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _summary_dot(p, m_p, b_q, b_ql, LO: tl.constexpr, QLO: tl.constexpr,
-                 F32_PREC: tl.constexpr):
-    """``[N, M]``: the node summaries at ``p [N, DP]`` (16-bit heads, their residuals ``LO``
-    elements on when ``LO > 0``) dotted with the rows ``b_q [M, DP]`` (and their residuals
-    ``b_ql`` when ``QLO``; the product of two residuals, ~2**-16 of either, is left out)."""
+def _summary_dot(p, m_p, b_q, b_ql, SUM_RESID: tl.constexpr, Q_RESID: tl.constexpr):
+    """``[N, M]``: the node summaries at ``p [N, DP]`` (16-bit heads, their residuals
+    ``SUM_RESID`` elements on when ``SUM_RESID > 0``) dotted with the rows ``b_q [M, DP]`` (and
+    their residuals ``b_ql`` when ``Q_RESID``; the product of two residuals, ~2**-16 of either,
+    is left out)."""
     b_x = tl.load(p, mask=m_p, other=0.)
     b_z = dot_nt(b_x, b_q, F32_PREC)
-    if LO > 0:
-        b_z += dot_nt(tl.load(p + LO, mask=m_p, other=0.), b_q, F32_PREC)
-    if QLO:
+    if SUM_RESID > 0:
+        b_z += dot_nt(tl.load(p + SUM_RESID, mask=m_p, other=0.), b_q, F32_PREC)
+    if Q_RESID:
         b_z += dot_nt(b_x, b_ql, F32_PREC)
     return b_z
 
 
 @triton.jit
-def _child_z(b_qa, b_qal, b_qb, b_qbl, p, m_c, m_d, scale, LO: tl.constexpr, QLO: tl.constexpr,
-             BOUND: tl.constexpr, BO: tl.constexpr, F32_PREC: tl.constexpr):
+def _child_z(b_sq, p, m_c, m_d, scale, SCORE: tl.constexpr, Q_RESID: tl.constexpr):
     """Scaled logits ``[N, M]`` of one child per node (summaries at ``p``, nodes ``m_c``, dims
-    ``m_d``): ``scale * mean . q``; ``BOUND``: ``scale * (q_a . max + q_b . min)`` (maxs at ``p``,
-    mins ``BO`` elements on; ``q_a``, ``q_b`` the rows split by sign, ``_sign_rows``), the largest
-    ``scale * q . k`` over the keys of the child's box."""
+    ``m_d``) for the signed rows ``b_sq`` (``_sign_rows``): ``scale * mean . q``; ``BOUND``:
+    ``scale * (q_a . max + q_b . min)`` (maxs at ``p``, mins ``MIN_OFFSET`` elements on), the
+    largest ``scale * q . k`` over the keys of the child's box."""
+    b_qa, b_qal, b_qb, b_qbl = b_sq
     m_p = m_c[:, None] & m_d[None, :]
-    b_z = _summary_dot(p, m_p, b_qa, b_qal, LO, QLO, F32_PREC)
-    if BOUND:
-        b_z += _summary_dot(p + BO, m_p, b_qb, b_qbl, LO, QLO, F32_PREC)
+    b_z = _summary_dot(p, m_p, b_qa, b_qal, SCORE.SUM_RESID, Q_RESID)
+    if SCORE.BOUND:
+        b_z += _summary_dot(p + SCORE.MIN_OFFSET, m_p, b_qb, b_qbl, SCORE.SUM_RESID, Q_RESID)
     return b_z * scale
 
 
 @triton.jit
 def _sign_rows(b_q, b_ql, scale, BOUND: tl.constexpr):
-    """``(q_a, q_a residual, q_b, q_b residual)``: for ``BOUND`` the rows' elements where
-    ``scale * q > 0`` and the others (the sign of a head and residual pair is the head's: the
-    residual is below half its last bit), so ``scale * (q_a . max + q_b . min)`` is
+    """The signed rows ``(q_a, q_a residual, q_b, q_b residual)``: for ``BOUND`` the rows'
+    elements where ``scale * q > 0`` and the others (the sign of a head and residual pair is the
+    head's: the residual is below half its last bit), so ``scale * (q_a . max + q_b . min)`` is
     ``sum_d max(s q_d min_d, s q_d max_d)``; otherwise the rows (and residuals) twice."""
     if BOUND:
         m_pos = b_q.to(tl.float32) * scale > 0
@@ -340,33 +298,33 @@ def _sign_rows(b_q, b_ql, scale, BOUND: tl.constexpr):
 
 
 @triton.jit
-def _child_scores(b_qa, b_qal, b_qb, b_qbl, o_node, m_node, p_child, s_cn, p_ccount, n_child,
-                  scale, CHILDREN: tl.constexpr, SCORER: tl.constexpr, DP: tl.constexpr,
-                  D: tl.constexpr, LO: tl.constexpr, QLO: tl.constexpr, BOUND: tl.constexpr,
-                  BO: tl.constexpr, F32_PREC: tl.constexpr):
-    """Scores ``[N, M]`` of nodes ``o_node [N]`` for the query rows (``_sign_rows``) from their
-    ``CHILDREN`` children's logits (``_child_z``; summaries at rows ``o_node * CHILDREN + c`` of
-    ``p_child``) weighted by the children's counts, with the ``N`` candidates as the dots' rows.
+def _child_scores(b_sq, o_node, m_node, child, scale, CHILDREN: tl.constexpr, DP: tl.constexpr,
+                  D: tl.constexpr, SCORE: tl.constexpr, Q_RESID: tl.constexpr):
+    """Scores ``[N, M]`` of nodes ``o_node [N]`` for the signed query rows ``b_sq``
+    (``_sign_rows``) from their ``CHILDREN`` children's logits (``_child_z``; ``child`` =
+    ``(p_child, s_cn, p_ccount, n_child)``: summaries at rows ``o_node * CHILDREN + c`` of
+    ``p_child``, ``s_cn`` apart, their key counts and how many children the level has) weighted
+    by the children's counts, with the ``N`` candidates as the dots' rows.
 
     lse: ``log sum_c n_c exp(z_c)`` (online, max-shift added back); mean / meanvar: count-weighted
     Welford mean and variance of ``z_c``. A child past ``n_child`` has count 0 and no weight.
     """
+    p_child, s_cn, p_ccount, n_child = child
     o_d = tl.arange(0, DP)
-    M: tl.constexpr = b_qa.shape[0]
+    M: tl.constexpr = b_sq[0].shape[0]
     N: tl.constexpr = o_node.shape[0]
     b_a = tl.full([N, M], float("-inf"), dtype=tl.float32)  # lse: running max; else: mean
     b_b = tl.zeros_like(b_a)  # lse: running sum; else: running M2
     b_w = tl.zeros([N], dtype=tl.float32)  # total count so far (mean / meanvar)
-    if SCORER != 0:
+    if SCORE.SCORER != 0:
         b_a = tl.zeros_like(b_a)
     for c in range(0, CHILDREN):  # a runtime loop: one child tile live at a time
         o_c = o_node * CHILDREN + c
         m_c = m_node & (o_c < n_child)
         p = p_child + o_c.to(tl.int64)[:, None] * s_cn + o_d[None, :]
-        b_z = _child_z(b_qa, b_qal, b_qb, b_qbl, p, m_c, o_d < D, scale, LO, QLO, BOUND, BO,
-                       F32_PREC)  # [N, M]
+        b_z = _child_z(b_sq, p, m_c, o_d < D, scale, SCORE, Q_RESID)  # [N, M]
         b_n = tl.load(p_ccount + o_c, mask=m_c, other=0).to(tl.float32)
-        if SCORER == 0:
+        if SCORE.SCORER == 0:
             b_x = tl.where(b_n[:, None] > 0, b_z + tl.log(tl.maximum(b_n, 1.))[:, None],
                            float("-inf"))
             b_max = tl.maximum(b_a, b_x)
@@ -380,9 +338,9 @@ def _child_scores(b_qa, b_qal, b_qb, b_qbl, o_node, m_node, p_child, s_cn, p_cco
             b_a = b_a + b_delta * b_f[:, None]
             b_b = b_b + b_n[:, None] * b_delta * (b_z - b_a)
             b_w = b_wn
-    if SCORER == 0:
+    if SCORE.SCORER == 0:
         b_s = b_a + tl.log(tl.maximum(b_b, 1.))  # >= 1 for a node with a child: exp(max - max)
-    elif SCORER == 1:
+    elif SCORE.SCORER == 1:
         b_s = b_a
     else:
         b_s = b_a + 0.5 * b_b / tl.maximum(b_w, 1.)[:, None]
@@ -390,113 +348,101 @@ def _child_scores(b_qa, b_qal, b_qb, b_qbl, o_node, m_node, p_child, s_cn, p_cco
 
 
 @triton.jit
-def _pair_lse_scores(b_qa, b_qal, b_qb, b_qbl, o_node, m_node, p_child, s_cn, p_ccount, n_child,
-                     scale, D: tl.constexpr, LO: tl.constexpr, QLO: tl.constexpr,
-                     BOUND: tl.constexpr, BO: tl.constexpr, F32_PREC: tl.constexpr):
+def _pair_lse_scores(b_sq, o_node, m_node, child, scale, D: tl.constexpr, SCORE: tl.constexpr,
+                     Q_RESID: tl.constexpr):
     """``_child_scores`` for the lse scorer and two children, in closed form:
     ``log(n_0 e^z_0 + n_1 e^z_1) = hi + log(1 + e^(lo - hi))`` with ``hi, lo`` the larger and
     smaller of ``z_c + log n_c`` (one exp2 and one log2 per score instead of the online update's
     four exps and a libdevice log). Returns ``[N, M]``."""
-    DP: tl.constexpr = b_qa.shape[1]
+    p_child, s_cn, p_ccount, n_child = child
+    DP: tl.constexpr = b_sq[0].shape[1]
     o_d = tl.arange(0, DP)
     o_c = o_node * 2
     m_c0 = m_node & (o_c < n_child)
     m_c1 = m_node & (o_c + 1 < n_child)
     p = p_child + o_c.to(tl.int64)[:, None] * s_cn + o_d[None, :]
-    b_x0 = _child_logits(b_qa, b_qal, b_qb, b_qbl, p, m_c0, o_d < D, p_ccount + o_c, scale, LO,
-                         QLO, BOUND, BO, F32_PREC)
-    b_x1 = _child_logits(b_qa, b_qal, b_qb, b_qbl, p + s_cn, m_c1, o_d < D, p_ccount + o_c + 1,
-                         scale, LO, QLO, BOUND, BO, F32_PREC)
+    b_x0 = _child_logits(b_sq, p, m_c0, o_d < D, p_ccount + o_c, scale, SCORE, Q_RESID)
+    b_x1 = _child_logits(b_sq, p + s_cn, m_c1, o_d < D, p_ccount + o_c + 1, scale, SCORE,
+                         Q_RESID)
     b_hi = tl.maximum(b_x0, b_x1)
     b_d = tl.minimum(b_x0, b_x1) - tl.where(b_hi > float("-inf"), b_hi, 0.)  # no child: -inf
-    return b_hi + tl.log2(1. + tl.exp2(b_d * 1.4426950408889634)) * 0.6931471805599453
+    return b_hi + tl.log2(1. + tl.exp2(b_d * LOG2E_K)) * LN2_K
 
 
 @triton.jit
-def _child_logits(b_qa, b_qal, b_qb, b_qbl, p, m_c, m_d, p_n, scale, LO: tl.constexpr,
-                  QLO: tl.constexpr, BOUND: tl.constexpr, BO: tl.constexpr,
-                  F32_PREC: tl.constexpr):
+def _child_logits(b_sq, p, m_c, m_d, p_n, scale, SCORE: tl.constexpr, Q_RESID: tl.constexpr):
     """``[N, M]``: ``_child_z + log n_c`` of one child per node, ``-inf`` for a missing child."""
-    b_z = _child_z(b_qa, b_qal, b_qb, b_qbl, p, m_c, m_d, scale, LO, QLO, BOUND, BO, F32_PREC)
+    b_z = _child_z(b_sq, p, m_c, m_d, scale, SCORE, Q_RESID)
     b_n = tl.load(p_n, mask=m_c, other=0).to(tl.float32)
     return tl.where(b_n[:, None] > 0, b_z + tl.log(tl.maximum(b_n, 1.))[:, None],
                     float("-inf"))
 
 
 @triton.jit
-def _chunk_node_scores(b_q, b_ql, m_row, o_x, m_x, p_child, s_cn, p_ccount, n_child, scale,
-                       G_BR: tl.constexpr, SCORER: tl.constexpr, BOUND: tl.constexpr,
-                       BO: tl.constexpr, REDUCE: tl.constexpr, GP: tl.constexpr,
-                       TB: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
-                       QLO: tl.constexpr, F32_PREC: tl.constexpr):
+def _chunk_node_scores(b_q, b_ql, m_row, o_x, m_x, child, scale, ROWS: tl.constexpr,
+                       TREE: tl.constexpr, SCORE: tl.constexpr):
     """``[NX]``: the candidates' scores for one chunk of a tile's rows (``TB`` tokens of ``GP``
-    rows): per (candidate, row) from the children, summed over each token's real heads, folded
-    over the chunk's real tokens (``fold_tokens``)."""
-    b_qa, b_qal, b_qb, b_qbl = _sign_rows(b_q, b_ql, scale, BOUND)
-    if SCORER == 0 and G_BR == 2:
-        b_sm = _pair_lse_scores(b_qa, b_qal, b_qb, b_qbl, o_x, m_x, p_child, s_cn, p_ccount,
-                                n_child, scale, D, LO, QLO, BOUND, BO, F32_PREC)
+    rows): per (candidate, row) from the children (``child`` as in ``_child_scores``), summed
+    over each token's real heads, folded over the chunk's real tokens (``fold_tokens``)."""
+    TB: tl.constexpr = ROWS.TB
+    GP: tl.constexpr = ROWS.GP
+    b_sq = _sign_rows(b_q, b_ql, scale, SCORE.BOUND)
+    if SCORE.SCORER == 0 and TREE.BRANCH == 2:
+        b_sm = _pair_lse_scores(b_sq, o_x, m_x, child, scale, ROWS.D, SCORE, ROWS.RESID > 0)
     else:
-        b_sm = _child_scores(b_qa, b_qal, b_qb, b_qbl, o_x, m_x, p_child, s_cn, p_ccount,
-                             n_child, scale, G_BR, SCORER, DP, D, LO, QLO, BOUND, BO, F32_PREC)
+        b_sm = _child_scores(b_sq, o_x, m_x, child, scale, TREE.BRANCH, ROWS.DP, ROWS.D, SCORE,
+                             ROWS.RESID > 0)
     if TB == 1:  # one token: the sum over its heads (log-sum-exp: -inf without a real row)
         b_s = tl.sum(tl.where(m_row[None, :], b_sm, 0.), axis=1)  # [NX]
-        if REDUCE == 1:
+        if ROWS.REDUCE == 1:
             b_s = tl.where(tl.max(m_row.to(tl.int32), axis=0) > 0, b_s, float("-inf"))
     else:
         NX: tl.constexpr = b_sm.shape[0]
         b_tok = tl.sum(tl.reshape(tl.where(m_row[None, :], b_sm, 0.), [NX, TB, GP]), axis=2)
-        b_s = fold_tokens(b_tok, token_mask(m_row, TB, GP)[None, :], 1, REDUCE)
+        b_s = fold_tokens(b_tok, token_mask(m_row, TB, GP)[None, :], 1, ROWS.REDUCE)
     return b_s
 
 
 @triton.jit
-def _level_scores(o_x, m_x, lvl, b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn,
-                  p_counts, p_off, scale, G_BR: tl.constexpr, SCORER: tl.constexpr,
-                  BOUND: tl.constexpr, BO: tl.constexpr, REDUCE: tl.constexpr, G: tl.constexpr,
-                  GP: tl.constexpr, TB: tl.constexpr, NCH: tl.constexpr, DP: tl.constexpr,
-                  D: tl.constexpr, LO: tl.constexpr, LO_R: tl.constexpr,
-                  F32_PREC: tl.constexpr):
+def _level_scores(o_x, m_x, lvl, rows, pyr, scale, ROWS: tl.constexpr, TREE: tl.constexpr,
+                  SCORE: tl.constexpr):
     """Tile scores ``[NX]`` of the candidates ``o_x`` of level ``lvl`` from their children's
-    summaries (level ``lvl - 1``): one chunk of rows (``b_q``, ``NCH == 1``) or ``NCH`` chunks of
-    ``TB`` tokens loaded in turn (``tile_rows`` of ``r_lo .. r_hi``) and folded."""
+    summaries (level ``lvl - 1``; ``pyr`` as in ``walk``): one chunk of rows (``NCH == 1``: the
+    loaded ``b_q`` of ``rows``) or ``NCH`` chunks of ``TB`` tokens loaded in turn (``tile_rows``
+    of ``r_lo .. r_hi``) and folded."""
+    b_q, b_ql, m_row, p_rh, s_r, r_lo, r_hi = rows
+    p_mh, s_mn, p_counts, p_off = pyr
     lo = tl.load(p_off + lvl - 2)
     n_child = tl.load(p_off + lvl - 1) - lo
-    p_child = p_mh + lo.to(tl.int64) * s_mn
-    if NCH == 1:
-        b_s = _chunk_node_scores(b_q, b_ql, m_row, o_x, m_x, p_child, s_mn, p_counts + lo,
-                                 n_child, scale, G_BR, SCORER, BOUND, BO, REDUCE, GP, TB, DP, D,
-                                 LO, LO_R > 0, F32_PREC)
+    child = (p_mh + lo.to(tl.int64) * s_mn, s_mn, p_counts + lo, n_child)
+    if ROWS.NCH == 1:
+        b_s = _chunk_node_scores(b_q, b_ql, m_row, o_x, m_x, child, scale, ROWS, TREE, SCORE)
     else:
         b_s = tl.zeros(o_x.shape, dtype=tl.float32)
-        if REDUCE == 1:
+        if ROWS.REDUCE == 1:
             b_s = tl.full(o_x.shape, float("-inf"), dtype=tl.float32)
-        for c in range(0, NCH):
-            b_qc, b_qlc, m_rc = tile_rows(p_rh, s_rt, s_rh, r_lo + c * TB, r_hi, G, GP, TB, D, DP,
-                                          LO_R)
-            b_sc = _chunk_node_scores(b_qc, b_qlc, m_rc, o_x, m_x, p_child, s_mn, p_counts + lo,
-                                      n_child, scale, G_BR, SCORER, BOUND, BO, REDUCE, GP, TB,
-                                      DP, D, LO, LO_R > 0, F32_PREC)
-            b_s = fold_chunks(b_s, b_sc, REDUCE)
+        for c in range(0, ROWS.NCH):
+            b_qc, b_qlc, m_rc = tile_rows(p_rh, s_r, r_lo + c * ROWS.TB, r_hi, ROWS)
+            b_sc = _chunk_node_scores(b_qc, b_qlc, m_rc, o_x, m_x, child, scale, ROWS, TREE,
+                                      SCORE)
+            b_s = fold_chunks(b_s, b_sc, ROWS.REDUCE)
     return b_s
 
 
 @triton.jit
-def _walk_level(b_rest, n_rest, lvl, span, beam, c0, c1, t_last, s0, b_q, b_ql, m_row, p_rh,
-                s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p_off, scale, WOUT: tl.constexpr,
-                C: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, WP: tl.constexpr,
-                SCORER: tl.constexpr, BOUND: tl.constexpr, BO: tl.constexpr,
-                REDUCE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr,
-                NCH: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
-                LO_R: tl.constexpr, F32_PREC: tl.constexpr):
+def _walk_level(b_rest, n_rest, lvl, span, beam, tile, rows, pyr, scale, WOUT: tl.constexpr,
+                ROWS: tl.constexpr, TREE: tl.constexpr, SCORE: tl.constexpr):
     """One level ``lvl`` (``span`` leaves a node) of the walk: its candidates (``candidates`` of the
     ``n_rest`` kept nodes ``b_rest [WP]`` above), free ones only (causal, inside the sequence
-    that starts at leaf ``s0``, not forced), and the
-    ``beam`` best of them, best first, in ``[WOUT]`` (``WOUT >= min(beam, candidates)``); all of
-    them, unscored and in index order, when they are at most ``beam``. Returns them and their
-    count."""
-    NX: tl.constexpr = 2 * GBP * WP
-    o_x, m_x = candidates(b_rest, n_rest, c0, c1, span * G_BR, s0, G_BR, GBP, WP)
+    that starts at leaf ``s0``, not forced), and the ``beam`` best of them, best first, in
+    ``[WOUT]`` (``WOUT >= min(beam, candidates)``); all of them, unscored and in index order, when
+    they are at most ``beam``. Returns them and their count. ``tile``, ``rows``, ``pyr`` as in
+    ``walk``."""
+    c0, c1, t_last, s0 = tile
+    C: tl.constexpr = TREE.C
+    NX: tl.constexpr = 2 * TREE.BRANCH_P * TREE.WP
+    o_x, m_x = candidates(b_rest, n_rest, c0, c1, span * TREE.BRANCH, s0, TREE.BRANCH,
+                          TREE.BRANCH_P, TREE.WP)
     # Drop forced and future nodes, and those before the sequence (only children of forced nodes
     # can be any of them).
     m_x = m_x & (o_x * span * C <= t_last) & ((o_x + 1) * span > s0) & (o_x != s0 // span) \
@@ -505,30 +451,25 @@ def _walk_level(b_rest, n_rest, lvl, span, beam, c0, c1, t_last, s0, b_q, b_ql, 
     # Unscored candidates rank by node index, which keeps all of them (n_cand <= beam).
     b_s = tl.zeros([NX], dtype=tl.float32)
     if n_cand > beam:
-        b_s = _level_scores(o_x, m_x, lvl, b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh,
-                            s_mn, p_counts, p_off, scale, G_BR, SCORER, BOUND, BO, REDUCE, G, GP,
-                            TB, NCH, DP, D, LO, LO_R, F32_PREC)
+        b_s = _level_scores(o_x, m_x, lvl, rows, pyr, scale, ROWS, TREE, SCORE)
     # The best (slots >= the count are dropped by candidates at the next level), best first.
     b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), WOUT)
     return tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0), tl.minimum(n_cand, beam)
 
 
 @triton.jit
-def walk(b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p_off, n_levels,
-         top_span, c0, c1, t_last, s0, scale, C: tl.constexpr, G_BR: tl.constexpr,
-         GBP: tl.constexpr, W: tl.constexpr, W2: tl.constexpr, WP: tl.constexpr,
-         WPL: tl.constexpr, SCORER: tl.constexpr, BOUND: tl.constexpr, BO: tl.constexpr,
-         REDUCE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr,
-         NCH: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
-         LO_R: tl.constexpr, F32_PREC: tl.constexpr):
+def walk(rows, pyr, n_levels, top_span, tile, scale, ROWS: tl.constexpr, TREE: tl.constexpr,
+         SCORE: tl.constexpr):
     """The internal levels of the walk, from the root's children down to level 2, for a tile whose
-    tokens lie in leaves ``c0..c1`` (``t_last`` its last position) of the sequence whose first
-    leaf is ``s0`` (0; in a packed layout its sequence's: nodes before it are never candidates,
-    its ancestors are forced as the sink's). Its query rows: ``b_q``
-    (residuals ``b_ql``, real rows ``m_row``) when they are one chunk (``NCH == 1``), else the
-    ``NCH`` chunks of ``TB`` tokens of ``tile_rows(p_rh, .., r_lo + c * TB, r_hi)`` loaded at each
-    scored level. Summaries at ``p_mh`` (``_child_z``). Returns ``b_rest [WPL]``, the kept
-    non-forced level-2 nodes (``n_rest`` of them, best first).
+    tokens lie in leaves ``c0..c1`` (``tile = (c0, c1, t_last, s0)``: ``t_last`` its last
+    position, ``s0`` the first leaf of its sequence: 0; in a packed layout its sequence's: nodes
+    before it are never candidates, its ancestors are forced as the sink's). Its query rows
+    ``rows = (b_q, b_ql, m_row, p_rh, s_r, r_lo, r_hi)``: ``b_q`` (residuals ``b_ql``, real rows
+    ``m_row``) when they are one chunk (``NCH == 1``), else the ``NCH`` chunks of ``TB`` tokens of
+    ``tile_rows(p_rh, s_r, r_lo + c * TB, r_hi)`` loaded at each scored level. The pyramid
+    ``pyr = (p_mh, s_mn, p_counts, p_off)``: this (batch, KV head)'s summaries (``_child_z``),
+    their node stride, the node key counts and the level offsets. Returns ``b_rest [W2P]``, the
+    kept non-forced level-2 nodes (``n_rest`` of them, best first).
 
     A level's candidates (``_walk_level``) are the children of the kept nodes above plus the
     non-forced causal children of the forced nodes above; forced nodes themselves are never
@@ -541,31 +482,28 @@ def walk(b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts, p
     a(c1)`` are the last causal ones and ``a(s0)`` the first, so the candidates are nodes
     ``a(s0) + 1 .. a(c0 - 1) - 1``, in index order (the order an unscored level's top-W leaves
     them in)."""
+    c0, c1, t_last, s0 = tile
     n_rest = tl.full([], 0, dtype=tl.int32)
     span = top_span  # leaves under a node of the level being ranked
     i0 = 0  # the level being looked at is n_levels - 1 - i0
     # candidates of level i0
     n_next = tl.maximum(tl.maximum(c0 - 1, s0) // span - s0 // span - 1, 0)
-    while (i0 < n_levels - 2) & (n_next <= tl.where(n_levels - 1 - i0 == 2, W2, W)):
+    while (i0 < n_levels - 2) & (n_next <= tl.where(n_levels - 1 - i0 == 2, TREE.W2, TREE.W)):
         n_rest = n_next
         i0 += 1
-        span = span // G_BR
+        span = span // TREE.BRANCH
         n_next = tl.maximum(tl.maximum(c0 - 1, s0) // span - s0 // span - 1, 0)
-    first = s0 // (span * G_BR) + 1  # the first free node of the level above
-    b_rest = tl.arange(0, WP) + first
+    first = s0 // (span * TREE.BRANCH) + 1  # the first free node of the level above
+    b_rest = tl.arange(0, TREE.WP) + first
     for i in range(i0, n_levels - 3):  # the ranked levels above level 2
-        b_rest, n_rest = _walk_level(b_rest, n_rest, n_levels - 1 - i, span, W, c0, c1, t_last,
-                                     s0, b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh,
-                                     s_mn, p_counts, p_off, scale, WP, C, G_BR, GBP, WP, SCORER,
-                                     BOUND, BO, REDUCE, G, GP, TB, NCH, DP, D, LO, LO_R, F32_PREC)
-        span = span // G_BR
+        b_rest, n_rest = _walk_level(b_rest, n_rest, n_levels - 1 - i, span, TREE.W, tile, rows,
+                                     pyr, scale, TREE.WP, ROWS, TREE, SCORE)
+        span = span // TREE.BRANCH
     if i0 < n_levels - 2:  # level 2 is visited
-        b_out, n_out = _walk_level(b_rest, n_rest, 2, span, W2, c0, c1, t_last, s0, b_q, b_ql,
-                                   m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts,
-                                   p_off, scale, WPL, C, G_BR, GBP, WP, SCORER, BOUND, BO, REDUCE,
-                                   G, GP, TB, NCH, DP, D, LO, LO_R, F32_PREC)
+        b_out, n_out = _walk_level(b_rest, n_rest, 2, span, TREE.W2, tile, rows, pyr, scale,
+                                   TREE.W2P, ROWS, TREE, SCORE)
     else:  # skipped: all its free nodes, first .. first + n_rest - 1
-        b_out = tl.arange(0, WPL) + first
+        b_out = tl.arange(0, TREE.W2P) + first
         n_out = n_rest
     return b_out, n_out
 
@@ -607,105 +545,105 @@ def sequence_start(p_blk0, cur, m, VARLEN: tl.constexpr):
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_levels", "top_span", "n_par",
                                "n_chunk", "chunk"])
 def _pyramid_walk_kernel(
-        p_q, p_rows, p_means, p_counts, p_off, p_key, p_blk0,
+        p_q, p_rows, p_summary, p_counts, p_off, p_key, p_blk0,
         Tq, Tk, n_tiles, tile0, n_levels, top_span, scale, n_par, n_chunk, chunk,
-        s_qb: tl.int64, s_qt, s_qh, s_rb: tl.int64, s_rt, s_rh, s_mb: tl.int64, s_mn, s_mh,
-        QT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr,
-        NCH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr,
-        G_BR: tl.constexpr, GBP: tl.constexpr, W: tl.constexpr, W2: tl.constexpr,
-        WP: tl.constexpr, WPL: tl.constexpr, S: tl.constexpr, SCORER: tl.constexpr,
-        BOUND: tl.constexpr, BO: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr,
-        LO: tl.constexpr, LO_R: tl.constexpr, SLOT_NONE: tl.constexpr, VARLEN: tl.constexpr,
-        F32_PREC: tl.constexpr):
+        s_qb: tl.int64, s_q, s_rb: tl.int64, s_r, s_mb: tl.int64, s_m,
+        ROWS: tl.constexpr, TREE: tl.constexpr, SCORE: tl.constexpr, VARLEN: tl.constexpr):
     """The internal levels of tile ``i_t``'s walk (``walk``); writes the level-2 parents of its
-    leaf candidates into its ``S = WPL + 3`` slots of ``p_key [B, n_tiles, HKV, S]``: the
-    ``n_rest`` kept nodes, then the (up to 3) forced level-2 nodes that have a free child. A slot
-    holds the sort key ``((b * HKV + h) * n_chunk + i_t // chunk) * n_par + parent``, or
-    ``SLOT_NONE`` when empty.
+    leaf candidates into its ``PAR_SLOTS = W2P + 3`` slots of ``p_key [B, n_tiles, HKV,
+    PAR_SLOTS]``: the ``n_rest`` kept nodes, then the (up to 3) forced level-2 nodes that have a
+    free child. A slot holds the sort key ``((b * HKV + h) * n_chunk + i_t // chunk) * n_par +
+    parent``, or ``SLOT_NONE`` when empty. ``p_summary [B, N_total, HKV, (1, 2 or 4), D]``: the
+    node summaries the walk ranks by (``_walk_summaries``), node and head strides ``s_m``.
 
     The tile's rows: its query tokens' (``p_rows`` is ``p_q``) or, with ``MEAN``, its ``G`` mean
     queries, which this program computes from ``p_q`` and writes to ``p_rows [B, n_tiles, HQ,
-    (2,) D]`` (16-bit head, then the residual ``LO_R`` elements on) for the leaf stage.
+    (2,) D]`` (16-bit head, then the residual ``RESID`` elements on) for the leaf stage.
     ``VARLEN``: a packed layout, ``p_blk0`` the sink of each block (``sequence_start``)."""
+    G: tl.constexpr = ROWS.G
+    GP: tl.constexpr = ROWS.GP
+    BRANCH: tl.constexpr = TREE.BRANCH
+    W2P: tl.constexpr = TREE.W2P
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     HKV = tl.num_programs(1)
-    pos, cur, q_lo, q_hi = tile_span(i_t, tile0, Tq, Tk, QT, C)
+    pos, cur, q_lo, q_hi = tile_span(i_t, tile0, Tq, Tk, ROWS.QT, TREE.C)
     s0, _ = sequence_start(p_blk0, cur, cur >= 0, VARLEN)
+    s_rt, s_rh = s_r
     p_rh = p_rows + i_b.to(tl.int64) * s_rb + (i_h * G) * s_rh
-    if MEAN:
+    if ROWS.MEAN:
         o_h = tl.arange(0, GP)
         m_row = o_h < G
+        s_qt, s_qh = s_q
         p_qh = p_q + i_b.to(tl.int64) * s_qb + (i_h * G) * s_qh
-        b_mean = mean_rows(p_qh, s_qt, s_qh, tl.zeros([GP], dtype=tl.int32) + (pos - (Tk - Tq)),
-                           o_h, m_row, Tq, QT, D, DP)
+        b_mean = mean_rows(p_qh, s_q, tl.zeros([GP], dtype=tl.int32) + (pos - (Tk - Tq)), o_h,
+                           m_row, Tq, ROWS.QT, ROWS.D, ROWS.DP)
         b_q, b_ql = split_rows(b_mean, p_rows.dtype.element_ty)
-        o_d = tl.arange(0, DP)
+        o_d = tl.arange(0, ROWS.DP)
         p_st = p_rh + i_t.to(tl.int64) * s_rt + o_h.to(tl.int64)[:, None] * s_rh + o_d[None, :]
-        m_st = m_row[:, None] & (o_d < D)[None, :]
+        m_st = m_row[:, None] & (o_d < ROWS.D)[None, :]
         tl.store(p_st, b_q, mask=m_st)
-        if LO_R > 0:
-            tl.store(p_st + LO_R, b_ql, mask=m_st)
+        if ROWS.RESID > 0:
+            tl.store(p_st + ROWS.RESID, b_ql, mask=m_st)
         r_lo = i_t
         r_hi = i_t + 1
     else:
         r_lo = q_lo
         r_hi = q_hi
-        b_q, b_ql, m_row = tile_rows(p_rh, s_rt, s_rh, r_lo, r_hi, G, GP, TB, D, DP, LO_R)
-    p_mh = p_means + i_b.to(tl.int64) * s_mb + i_h * s_mh
-    b_rest, n_rest = walk(b_q, b_ql, m_row, p_rh, s_rt, s_rh, r_lo, r_hi, p_mh, s_mn, p_counts,
-                          p_off, n_levels, top_span, cur, cur, pos, s0, scale, C, G_BR, GBP, W, W2,
-                          WP, WPL, SCORER, BOUND, BO, REDUCE, G, GP, TB, NCH, DP, D, LO, LO_R,
-                          F32_PREC)
+        b_q, b_ql, m_row = tile_rows(p_rh, s_r, r_lo, r_hi, ROWS)
+    s_mn, s_mh = s_m
+    p_mh = p_summary + i_b.to(tl.int64) * s_mb + i_h * s_mh
+    b_rest, n_rest = walk((b_q, b_ql, m_row, p_rh, s_r, r_lo, r_hi), (p_mh, s_mn, p_counts, p_off),
+                          n_levels, top_span, (cur, cur, pos, s0), scale, ROWS, TREE, SCORE)
 
     base = ((i_b * HKV + i_h) * n_chunk + i_t // chunk).to(tl.int64) * n_par
-    p_row = p_key + ((i_b * n_tiles + i_t) * HKV + i_h).to(tl.int64) * S
-    o_w = tl.arange(0, WPL)
+    p_row = p_key + ((i_b * n_tiles + i_t) * HKV + i_h).to(tl.int64) * TREE.PAR_SLOTS
+    o_w = tl.arange(0, W2P)
     b_key = tl.where(o_w < n_rest, base + b_rest, SLOT_NONE)
     tl.store(p_row + o_w, b_key.to(p_key.dtype.element_ty))
     o_f = tl.arange(0, 4)
-    par, new = forced_parents(o_f, cur, cur, G_BR, s0)  # slot 3 repeats slot 2 (c1 == c0)
+    par, new = forced_parents(o_f, cur, cur, BRANCH, s0)  # slot 3 repeats slot 2 (c1 == c0)
     # a parent with a free child: its children meet the free blocks [s0 + 1, cur - 2]
-    m_free = (tl.maximum(par * G_BR, s0 + 1) <= tl.minimum(par * G_BR + G_BR - 1, cur - 2))
+    m_free = (tl.maximum(par * BRANCH, s0 + 1) <= tl.minimum(par * BRANCH + BRANCH - 1, cur - 2))
     b_key = tl.where(new & m_free, base + par, SLOT_NONE)
-    tl.store(p_row + WPL + o_f, b_key.to(p_key.dtype.element_ty), mask=o_f < 3)
+    tl.store(p_row + W2P + o_f, b_key.to(p_key.dtype.element_ty), mask=o_f < 3)
 
 
 @triton.jit
-def _pair_chunk_scores(p_rh, s_rt, s_rh, b_lo, b_hi, m_head, o_mt, o_mh, c, b_k, scale,
-                       PB: tl.constexpr, TB: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                       DP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-                       SCORER: tl.constexpr, REDUCE: tl.constexpr, LO_R: tl.constexpr,
-                       F32_PREC: tl.constexpr):
+def _pair_chunk_scores(p_rh, s_r, b_lo, b_hi, m_head, o_mt, o_mh, c, b_k, scale,
+                       PB: tl.constexpr, CP: tl.constexpr, SCORER: tl.constexpr,
+                       ROWS: tl.constexpr, C: tl.constexpr):
     """``[PB, L]``: the leaf scores of chunk ``c`` (``TB`` tokens) of ``PB`` pairs' rows (per row
     its pair's tokens ``[b_lo, b_hi)``, head ``o_mh``, chunk token ``o_mt``), folded over the
     chunk's real tokens."""
-    o_t = b_lo + c * TB + o_mt
+    o_t = b_lo + c * ROWS.TB + o_mt
     m_row = m_head & (o_t < b_hi)
-    b_q, b_ql = rows_at(p_rh, s_rt, s_rh, o_t, o_mh, m_row, D, DP, LO_R)
-    b_tok = leaf_tile_scores(b_q, b_ql, m_row, b_k, scale, PB * TB, GP, C, CP, SCORER, LO_R > 0,
-                             F32_PREC)  # [PB * TB, L]
-    return tile_token_scores(b_tok, m_row, PB, TB, GP, REDUCE)
+    b_q, b_ql = rows_at(p_rh, s_r, o_t, o_mh, m_row, ROWS.D, ROWS.DP, ROWS.RESID)
+    b_tok = leaf_tile_scores(b_q, b_ql, m_row, b_k, scale, PB * ROWS.TB, ROWS.GP, C, CP, SCORER,
+                             ROWS.RESID > 0)  # [PB * TB, L]
+    return tile_token_scores(b_tok, m_row, PB, ROWS.TB, ROWS.GP, ROWS.REDUCE)
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_chunk", "n_par"])
 def _leaf_groups_kernel(
         p_rows, p_k, p_start, p_pair, p_score, Tq, Tk, n_tiles, tile0, HKV, n_chunk, n_par, scale,
-        s_rb: tl.int64, s_rt, s_rh, s_kb: tl.int64, s_kt, s_kh,
-        PB: tl.constexpr, TB: tl.constexpr, NCH: tl.constexpr, QT: tl.constexpr,
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr,
-        CP: tl.constexpr, G_BR: tl.constexpr, GBP: tl.constexpr, S: tl.constexpr,
-        SCORER: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr, LO_R: tl.constexpr,
-        F32_PREC: tl.constexpr):
+        s_rb: tl.int64, s_r, s_kb: tl.int64, s_k,
+        PB: tl.constexpr, CP: tl.constexpr, SCORER: tl.constexpr, ROWS: tl.constexpr,
+        TREE: tl.constexpr):
     """Exact scores of the leaves of level-2 node ``i_par`` of (batch, KV head) ``i_bh`` for the
     tiles of chunk ``i_c`` that reached it: the pairs with sort key
     ``(i_bh * n_chunk + i_c) * n_par + i_par``, entries ``[start, end)`` of the sorted pair ids
-    ``p_pair`` (``u * S + slot``, ``u = (b * n_tiles + t) * HKV + h``). Pair id ``x`` gets
-    ``p_score[x, c]``, the tile score of child ``c``.
+    ``p_pair`` (``u * PAR_SLOTS + slot``, ``u = (b * n_tiles + t) * HKV + h``). Pair id ``x`` gets
+    ``p_score[x, c]``, the tile score of child ``c`` (``SCORER``).
 
-    The node's ``G_BR * C`` keys are loaded once; its tiles come ``PB`` at a time against them in
-    one dot: a tile's query tokens (``TB`` a dot, ``NCH`` dots folded by ``REDUCE`` when it has
-    more; ``p_rows`` is the queries) or, with ``MEAN``, its mean-query row of ``p_rows [B,
-    n_tiles, HQ, (2,) D]`` (``G`` rows a tile, 16-bit head + residual: 8 KB at G=16, D=128)."""
+    The node's ``BRANCH * C`` keys are loaded once (``CP`` rows a leaf); its tiles come ``PB`` at
+    a time against them in one dot: a tile's query tokens (``TB`` a dot, ``NCH`` dots folded by
+    ``REDUCE`` when it has more; ``p_rows`` is the queries) or, with ``MEAN``, its mean-query row
+    of ``p_rows [B, n_tiles, HQ, (2,) D]`` (``G`` rows a tile, 16-bit head + residual: 8 KB at
+    G=16, D=128)."""
+    C: tl.constexpr = TREE.C
+    BRANCH_P: tl.constexpr = TREE.BRANCH_P
+    TB: tl.constexpr = ROWS.TB
+    GP: tl.constexpr = ROWS.GP
     i_par, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_key = (i_bh * n_chunk + i_c) * n_par + i_par
     start = tl.load(p_start + i_key)
@@ -713,13 +651,15 @@ def _leaf_groups_kernel(
     if start < end:
         i_b = i_bh // HKV
         i_h = (i_bh % HKV).to(tl.int64)
-        o_c = tl.arange(0, GBP)
-        o_leaf = i_par * G_BR + o_c
+        o_c = tl.arange(0, BRANCH_P)
+        o_leaf = i_par * TREE.BRANCH + o_c
         # Leaves past the end (children of forced parents) are never free: skip their loads.
-        m_leaf = (o_c < G_BR) & ((o_leaf + 1) * C <= Tk)
+        m_leaf = (o_c < TREE.BRANCH) & ((o_leaf + 1) * C <= Tk)
+        s_kt, s_kh = s_k
         b_k = leaf_keys(p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh, s_kt, o_leaf, m_leaf,
-                        C, CP, DP, D)  # [GBP * CP, DP]
-        p_rh = p_rows + i_b.to(tl.int64) * s_rb + (i_h * G) * s_rh
+                        C, CP, ROWS.DP, ROWS.D)  # [BRANCH_P * CP, DP]
+        s_rt, s_rh = s_r
+        p_rh = p_rows + i_b.to(tl.int64) * s_rb + (i_h * ROWS.G) * s_rh
         o_m = tl.arange(0, PB * TB * GP)  # row: (pair, chunk token, head)
         o_mp = o_m // (TB * GP)
         o_mt = (o_m // GP) % TB
@@ -729,42 +669,45 @@ def _leaf_groups_kernel(
             m_r = o_r < end
             b_pair = tl.load(p_pair + o_r, mask=m_r, other=0)
             m_rp = r0 + o_mp < end  # per row: its pair's id and tile
-            b_tile = (tl.load(p_pair + r0 + o_mp, mask=m_rp, other=0) // S // HKV
+            b_tile = (tl.load(p_pair + r0 + o_mp, mask=m_rp, other=0) // TREE.PAR_SLOTS // HKV
                       % n_tiles).to(tl.int32)
-            if MEAN:
+            if ROWS.MEAN:
                 b_lo = b_tile
                 b_hi = b_tile + 1
             else:
-                _, _, b_lo, b_hi = tile_span(b_tile, tile0, Tq, Tk, QT, C)
-            m_head = m_rp & (o_mh < G)
-            if NCH == 1:
-                b_s = _pair_chunk_scores(p_rh, s_rt, s_rh, b_lo, b_hi, m_head, o_mt, o_mh, 0,
-                                         b_k, scale, PB, TB, GP, D, DP, C, CP, SCORER, REDUCE,
-                                         LO_R, F32_PREC)  # [PB, GBP]
+                _, _, b_lo, b_hi = tile_span(b_tile, tile0, Tq, Tk, ROWS.QT, C)
+            m_head = m_rp & (o_mh < ROWS.G)
+            if ROWS.NCH == 1:
+                b_s = _pair_chunk_scores(p_rh, s_r, b_lo, b_hi, m_head, o_mt, o_mh, 0, b_k, scale,
+                                         PB, CP, SCORER, ROWS, C)  # [PB, BRANCH_P]
             else:
-                b_s = tl.zeros([PB, GBP], dtype=tl.float32)
-                if REDUCE == 1:
-                    b_s = tl.full([PB, GBP], float("-inf"), dtype=tl.float32)
-                for c in range(0, NCH):
+                b_s = tl.zeros([PB, BRANCH_P], dtype=tl.float32)
+                if ROWS.REDUCE == 1:
+                    b_s = tl.full([PB, BRANCH_P], float("-inf"), dtype=tl.float32)
+                for c in range(0, ROWS.NCH):
                     b_s = fold_chunks(b_s, _pair_chunk_scores(
-                        p_rh, s_rt, s_rh, b_lo, b_hi, m_head, o_mt, o_mh, c, b_k, scale, PB, TB,
-                        GP, D, DP, C, CP, SCORER, REDUCE, LO_R, F32_PREC), REDUCE)
-            tl.store(p_score + b_pair[:, None] * GBP + o_c[None, :], b_s,
-                     mask=m_r[:, None] & (o_c < G_BR)[None, :])
+                        p_rh, s_r, b_lo, b_hi, m_head, o_mt, o_mh, c, b_k, scale, PB, CP, SCORER,
+                        ROWS, C), ROWS.REDUCE)
+            tl.store(p_score + b_pair[:, None] * BRANCH_P + o_c[None, :], b_s,
+                     mask=m_r[:, None] & (o_c < TREE.BRANCH)[None, :])
 
 
 # the selection outputs' batch strides (n_tiles * HKV * slots) follow the length: not specialised
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_par", "s_ib", "s_cb"])
 def _leaf_topk_kernel(
         p_key, p_score, p_idx, p_cnt, p_blk0, Tq, Tk, n_tiles, tile0, n_par,
-        s_ib: tl.int64, s_it, s_ih, s_cb: tl.int64, s_ct,
-        BT: tl.constexpr, QT: tl.constexpr, C: tl.constexpr, G_BR: tl.constexpr,
-        GBP: tl.constexpr, S: tl.constexpr, SPP: tl.constexpr, KS: tl.constexpr,
-        TOPK: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr, IN_BUDGET: tl.constexpr,
-        SLOT_NONE: tl.constexpr, VARLEN: tl.constexpr):
-    """Each of the ``BT`` selection rows (tiles) ``i_t * BT ..`` keeps its best free leaves among
-    the children of its ``S`` parent slots (scores from ``_leaf_groups_kernel``) and writes its
-    row (``VARLEN``: rows in blocks without queries are empty: ``-1``, count 0)."""
+        s_ib: tl.int64, s_i, s_cb: tl.int64, s_ct,
+        BT: tl.constexpr, QT: tl.constexpr, TOP_P: tl.constexpr, TREE: tl.constexpr,
+        PICK: tl.constexpr, VARLEN: tl.constexpr):
+    """Each of the ``BT`` selection rows (tiles) ``i_t * BT ..`` keeps its best free leaves (the
+    best ``TOP_P`` keys) among the children of its ``PAR_SLOTS`` parent slots (scores from
+    ``_leaf_groups_kernel``) and writes its row (``PICK``; ``VARLEN``: rows in blocks without
+    queries are empty: ``-1``, count 0)."""
+    C: tl.constexpr = TREE.C
+    BRANCH: tl.constexpr = TREE.BRANCH
+    BRANCH_P: tl.constexpr = TREE.BRANCH_P
+    PAR_SLOTS: tl.constexpr = TREE.PAR_SLOTS
+    PAR_SLOTS_P: tl.constexpr = TREE.PAR_SLOTS_P
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     HKV = tl.num_programs(1)
     t0 = i_t * BT
@@ -772,21 +715,26 @@ def _leaf_topk_kernel(
     m_tok = t0 + o_bt < n_tiles
     cur = ((tile0 + t0 + o_bt) * QT) // C
     s0, m_q = sequence_start(p_blk0, cur, m_tok, VARLEN)
-    o_s = tl.arange(0, SPP)
-    o_c = tl.arange(0, GBP)
-    b_pair = ((i_b * n_tiles + t0 + o_bt) * HKV + i_h).to(tl.int64)[:, None] * S + o_s[None, :]
-    b_key = tl.load(p_key + b_pair, mask=m_tok[:, None] & (o_s < S)[None, :], other=SLOT_NONE)
-    o_leaf = (b_key % n_par).to(tl.int32)[:, :, None] * G_BR + o_c[None, None, :]  # [BT, SPP, GBP]
-    m_free = (b_key != SLOT_NONE)[:, :, None] & (o_c < G_BR)[None, None, :] \
+    o_s = tl.arange(0, PAR_SLOTS_P)
+    o_c = tl.arange(0, BRANCH_P)
+    b_pair = ((i_b * n_tiles + t0 + o_bt) * HKV + i_h).to(tl.int64)[:, None] * PAR_SLOTS \
+        + o_s[None, :]
+    b_key = tl.load(p_key + b_pair, mask=m_tok[:, None] & (o_s < PAR_SLOTS)[None, :],
+                    other=SLOT_NONE)
+    # [BT, PAR_SLOTS_P, BRANCH_P]
+    o_leaf = (b_key % n_par).to(tl.int32)[:, :, None] * BRANCH + o_c[None, None, :]
+    m_free = (b_key != SLOT_NONE)[:, :, None] & (o_c < BRANCH)[None, None, :] \
         & (o_leaf >= s0[:, None, None] + 1) & (o_leaf <= cur[:, None, None] - 2)
-    b_s = tl.load(p_score + b_pair[:, :, None] * GBP + o_c[None, None, :], mask=m_free, other=0.)
+    b_s = tl.load(p_score + b_pair[:, :, None] * BRANCH_P + o_c[None, None, :], mask=m_free,
+                  other=0.)
     b_x = tl.where(m_free, pack(b_s, o_leaf), KEY_NONE)
-    b_top = tl.topk(tl.reshape(b_x, [BT, SPP * GBP]), KS)  # [BT, KS]
-    b_row, count = selection_row(cur, b_top, s0, TOPK, IN_BUDGET, SP)
+    b_top = tl.topk(tl.reshape(b_x, [BT, PAR_SLOTS_P * BRANCH_P]), TOP_P)  # [BT, TOP_P]
+    b_row, count = selection_row(cur, b_top, s0, PICK.TOPK, PICK.IN_BUDGET, PICK.SLOTS_P)
     b_row = tl.where(m_q[:, None], b_row, -1)
     count = tl.where(m_q, count, 0)
+    s_it, s_ih = s_i
     store_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, b_row, count, s_ib, s_it, s_ih, s_cb, s_ct,
-                    SLOTS)
+                    PICK.SLOTS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -820,38 +768,40 @@ def check_pyramid(pyramid: Pyramid, k: torch.Tensor, cfg: SelectConfig) -> None:
 
 
 def beam_geometry(cfg: SelectConfig, n_keys: int):
-    """``(W, W2, GBP, WP, WPL)``: the beams above level 2 and at level 2 (at most the leaf count,
-    as ``W`` was before ``beam_leaf``: a length changes them only below ``beam`` leaves; and at
-    most the level-3 node count where ``W`` would not fit the kernel: no level above 2 has more
-    candidates, so neither cap changes a selection), the padded branching, the padded beam of the
-    walk's register tiles and the width of the level-2 beam (at most the ``2 * GBP * WP``
-    candidates a level holds). A ``ValueError`` for a beam too wide for the kernel."""
+    """``(W, W2, BRANCH_P, WP, W2P)``: the beams above level 2 and at level 2 (at most the leaf
+    count, as ``W`` was before ``beam_leaf``: a length changes them only below ``beam`` leaves;
+    and at most the level-3 node count where ``W`` would not fit the kernel: no level above 2 has
+    more candidates, so neither cap changes a selection), the padded branching, the padded beam
+    of the walk's register tiles and the width of the level-2 beam (at most the
+    ``2 * BRANCH_P * WP`` candidates a level holds). A ``ValueError`` for a beam too wide for the
+    kernel."""
     offsets = level_offsets(n_keys, cfg.block_size, cfg.branching)
     n_leaves = offsets[1]
-    GBP = pow2(cfg.branching)
+    BRANCH_P = pow2(cfg.branching)
     W = min(cfg.beam, n_leaves)
-    # GBP * WP slots hold the children of the 4 forced parents and >= 8 columns (x2) for tl.dot.
-    WP = max(pow2(W), 4, cdiv(8, GBP))
-    if 2 * GBP * WP > 1024:  # [NX, D] candidate tiles: wider ones spill and crawl
+    # BRANCH_P * WP slots hold the children of the 4 forced parents and >= 8 columns (x2) for
+    # tl.dot.
+    WP = max(pow2(W), 4, cdiv(8, BRANCH_P))
+    if 2 * BRANCH_P * WP > 1024:  # [NX, D] candidate tiles: wider ones spill and crawl
         W = min(W, offsets[3] - offsets[2] if len(offsets) > 3 else 1)
-        WP = max(pow2(W), 4, cdiv(8, GBP))
-    if 2 * GBP * WP > 1024:
+        WP = max(pow2(W), 4, cdiv(8, BRANCH_P))
+    if 2 * BRANCH_P * WP > 1024:
         raise ValueError(f"beam={cfg.beam} is too wide for the Triton pyramid kernel at "
-                         f"branching={cfg.branching}: use beam <= {512 // GBP}, or beam and "
+                         f"branching={cfg.branching}: use beam <= {512 // BRANCH_P}, or beam and "
                          f"beam_leaf >= the number of leaf blocks ({n_leaves}), which is the "
                          f"exact flat scan")
     W2 = min(cfg.beam_at(2), n_leaves)
-    WPL = max(4, min(pow2(W2), 2 * GBP * WP))
-    return W, W2, GBP, WP, WPL
+    W2P = max(4, min(pow2(W2), 2 * BRANCH_P * WP))
+    return W, W2, BRANCH_P, WP, W2P
 
 
 def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool, residuals: bool = True):
-    """The node summaries the walk reads ``[B, N, HKV, D]`` and the kernels' ``LO`` and ``BO``
-    (element offsets of the residuals and of the mins): the means, or for the bound scorer the
-    maxs then the mins. Against 16-bit queries the fp32 summaries as their 16-bit head with its
-    16-bit residual ``LO = D`` elements on (two exact-product dots, ~16 mantissa bits, so
-    near-equal nodes rank as in fp64), split once per call, or (``residuals=False``) the heads
-    alone; fp32 queries read fp32 summaries."""
+    """The node summaries the walk reads ``[B, N, HKV, (1, 2 or 4), D]`` and the kernels'
+    ``Scoring.SUM_RESID`` and ``MIN_OFFSET`` (element offsets of the residuals and of the mins):
+    the means, or for the bound scorer the maxs then the mins. Against 16-bit queries the fp32
+    summaries as their 16-bit head with its 16-bit residual ``SUM_RESID = D`` elements on (two
+    exact-product dots, ~16 mantissa bits, so near-equal nodes rank as in fp64), split once per
+    call, or (``residuals=False``) the heads alone; fp32 queries read fp32 summaries."""
     D = pyramid.means.shape[-1]
     parts = [pyramid.maxs, pyramid.mins] if bound else [pyramid.means]
     if q.dtype == torch.float32 or not residuals:
@@ -867,53 +817,32 @@ def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool, residuals: b
     return torch.stack(split, dim=3)[:, :, :, 0], D, 2 * D
 
 
-@dataclass(frozen=True)
-class SelectKernelConfig:
-    """Launch knobs of the selection kernels (``benchmarks/tuning/select_tune.py`` sweeps them).
-    ``walk_stages`` / ``leaf_stages`` drop to 1 where 2 stages would pass 160 KB of shared
-    memory; ``leaf_rows`` (query rows a leaf-stage dot) shrinks where the ``[rows, g * C]`` fp32
-    accumulator would pass 16K elements (128 registers a thread at 4 warps); ``leaf_chunk``
-    query tokens share one leaf-stage grid row (``LEAF_CHUNK``). ``residuals=False`` drops the
-    16-bit residuals of the node summaries and of ``qmean`` tiles' mean queries against 16-bit
-    inputs (half the bytes the walk and the leaf stage move, a third of the walk's products), so
-    near-equal candidates may rank otherwise than in fp32: not a pure launch knob."""
-
-    walk_warps: int = 4
-    walk_stages: int = 2
-    leaf_warps: int = 4
-    leaf_stages: int = 2
-    leaf_rows: int = 128
-    leaf_chunk: int = LEAF_CHUNK
-    topk_warps: int = 4
-    residuals: bool = True
-
-
-_KCFG = SelectKernelConfig()
+_LAUNCH = SelectLaunch()  # the defaults (``launch=None``); tests swap it for one test
 
 
 def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts, blk0,
-                   kcfg: SelectKernelConfig | None = None):
+                   launch: SelectLaunch):
     """Walk -> (tile, level-2 parent) pair keys -> sort -> leaf scores per parent group ->
-    per-tile top-K, with the launch knobs ``kcfg`` (default: the module's ``_KCFG``, read at the
-    call). Extra memory: ~24 bytes per slot (keys, sorted keys, pair ids,
-    scores), ``S = WPL + 3`` slots per (tile, KV head), plus 4 bytes per possible group, plus
-    for ``qmean`` tiles their mean queries ``[B, n_tiles, HQ, (2,) D]``."""
-    kcfg = kcfg or _KCFG
+    per-tile top-K, with the launch knobs ``launch``. Extra memory: ~24 bytes per slot (keys,
+    sorted keys, pair ids, scores), ``PAR_SLOTS = W2P + 3`` slots per (tile, KV head), plus 4
+    bytes per possible group, plus for ``qmean`` tiles their mean queries
+    ``[B, n_tiles, HQ, (2,) D]``."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
-    G, C, g, Qt = HQ // HKV, cfg.block_size, cfg.branching, cfg.query_tile
+    G, C, branching, Qt = HQ // HKV, cfg.block_size, cfg.branching, cfg.query_tile
     n_tiles, tile0 = block_idx.shape[1], (Tk - Tq) // Qt
     bound = cfg.scorer == "bound"
     mean = Qt > 1 and cfg.tile_reduce == "qmean"
     # query tokens a tile's rows hold: one for tokens and qmean tiles (their mean query)
     row_tokens = 1 if mean else Qt
     reduce_id = REDUCE_ID[cfg.tile_reduce] if row_tokens > 1 else 0
-    W, W2, GBP, WP, WPL = beam_geometry(cfg, Tk)
-    S = WPL + 3
+    W, W2, BRANCH_P, WP, W2P = beam_geometry(cfg, Tk)
+    par_slots = W2P + 3
+    tree = Tree(C, branching, BRANCH_P, W, W2, WP, W2P, par_slots, pow2(par_slots))
     n_levels = pyramid.n_levels
     n_par = pyramid.offsets[2] - pyramid.offsets[1]  # level-2 nodes
     # Sort keys (and group ids) must fit int32; the chunk count is a grid dimension (<= 65535).
-    n_chunk = min(cdiv(n_tiles, max(1, kcfg.leaf_chunk // row_tokens)), 65535,
+    n_chunk = min(cdiv(n_tiles, max(1, launch.leaf_chunk // row_tokens)), 65535,
                   (2 ** 31 - 2) // (B * HKV * n_par))
     if n_chunk < 1:
         raise ValueError(f"Triton pyramid selection supports B * HKV * (level-2 nodes) < 2**31, "
@@ -921,70 +850,63 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
     chunk = cdiv(n_tiles, n_chunk)
     n_chunk = cdiv(n_tiles, chunk)
     n_keys = B * HKV * n_chunk * n_par
-    slot_none = torch.iinfo(torch.int32).max
     DP = max(16, pow2(D))
-    summaries, LO, BO = _walk_summaries(pyramid, q, bound, kcfg.residuals)
+    summaries, sum_resid, min_offset = _walk_summaries(pyramid, q, bound, launch.residuals)
+    score = Scoring(SCORER_ID["lse" if bound else cfg.scorer], bound, min_offset, sum_resid)
     off = device_offsets(tuple(pyramid.offsets), q.device)
-    rows, LO_R = q, 0
+    rows, row_resid = q, 0
     if mean:  # written by the walk kernel, read by the leaf stage
-        parts = 1 if q.dtype == torch.float32 or not kcfg.residuals else 2
+        parts = 1 if q.dtype == torch.float32 or not launch.residuals else 2
         rows = torch.empty(B, n_tiles, HQ, parts, D, dtype=q.dtype, device=q.device)
-        LO_R = D if parts == 2 else 0
-    s_rows = (rows.stride(0), rows.stride(1), rows.stride(2))
+        row_resid = D if parts == 2 else 0
 
     # Walk rows: a tile's tokens in chunks of <= WALK_ROWS rows (heads padded to >= 16 rows).
     TB = max(1, min(row_tokens, WALK_ROWS // pow2(G)))
+    walk_rows = Rows(Qt, G, max(pow2(G), cdiv(16, TB)), TB, cdiv(row_tokens, TB), D, DP,
+                     row_resid, mean, reduce_id)
     # One child's summary tiles of a level (heads, residuals; maxs and mins): a pipelined loop
     # over children (g != 2 or mean / meanvar) holds 2 stages of them in shared memory, which the
     # bound's four [128, 128] tiles at g = 3, 4 would overflow (279 KB, compiled for sm_90).
-    child_bytes = (2 * GBP * WP * DP * summaries.element_size() * (2 if LO else 1)
+    child_bytes = (2 * BRANCH_P * WP * DP * summaries.element_size() * (2 if sum_resid else 1)
                    * (2 if bound else 1))
-    keys = torch.empty(B, n_tiles, HKV, S, dtype=torch.int32, device=q.device)
+    keys = torch.empty(B, n_tiles, HKV, par_slots, dtype=torch.int32, device=q.device)
     varlen = blk0 is not None
     blk0 = blk0 if varlen else counts  # unread without VARLEN
+    stages = launch.walk_stages if launch.walk_stages * child_bytes <= SELECT_STAGE_SMEM else 1
     _pyramid_walk_kernel[(n_tiles, HKV, B)](
         q, rows, summaries, pyramid.counts, off, keys, blk0, Tq, Tk, n_tiles, tile0, n_levels,
-        g ** (n_levels - 2), cfg.scale, n_par, n_chunk, chunk, q.stride(0), q.stride(1),
-        q.stride(2), *s_rows, summaries.stride(0), summaries.stride(1), summaries.stride(2),
-        QT=Qt, G=G, GP=max(pow2(G), cdiv(16, TB)), TB=TB, NCH=cdiv(row_tokens, TB), D=D, DP=DP,
-        C=C, G_BR=g, GBP=GBP, W=W, W2=W2, WP=WP, WPL=WPL, S=S,
-        SCORER=SCORER_ID["lse" if bound else cfg.scorer], BOUND=bound, BO=BO, REDUCE=reduce_id,
-        MEAN=mean, LO=LO, LO_R=LO_R, SLOT_NONE=slot_none, VARLEN=varlen, F32_PREC=F32_PRECISION,
-        num_warps=kcfg.walk_warps,
-        num_stages=kcfg.walk_stages if kcfg.walk_stages * child_bytes <= 160_000 else 1)
+        branching ** (n_levels - 2), cfg.scale, n_par, n_chunk, chunk,
+        *strides_of(q), *strides_of(rows), *strides_of(summaries), walk_rows, tree, score, varlen,
+        num_warps=launch.walk_warps, num_stages=stages)
 
     pairs, start = sort_by_key(keys.view(-1), n_keys)  # group i: pairs[start[i]:start[i + 1]]
-    scores = torch.empty(keys.numel(), GBP, dtype=torch.float32, device=q.device)
+    scores = torch.empty(keys.numel(), BRANCH_P, dtype=torch.float32, device=q.device)
     # Default: 128 query rows a dot, fewer when the [rows, g * C] fp32 accumulator would pass 16K
     # (128 registers a thread at 4 warps): PB tiles of TB tokens, a tile of more tokens in NCH
     # dots; 2 stages of gathered queries when they fit shared memory beside the parent's keys
     # (fp32 at g = 3 asked for 256 KB with 128 rows, 2 stages).
-    CP = max(C, cdiv(16, GBP))
-    rows_max = min(kcfg.leaf_rows, 16384 // (GBP * CP))
+    CP = max(C, cdiv(16, BRANCH_P))
+    rows_max = min(launch.leaf_rows, 16384 // (BRANCH_P * CP))
     if row_tokens * pow2(G) <= rows_max:
         TB, PB = row_tokens, max(1, rows_max // (row_tokens * pow2(G)))
     else:
         TB, PB = max(1, rows_max // pow2(G)), 1
     GP = max(pow2(G), cdiv(16, PB * TB))
-    smem = (GBP * CP + kcfg.leaf_stages * PB * TB * GP * (2 if LO_R else 1)) * DP \
+    leaf_rows = Rows(Qt, G, GP, TB, cdiv(row_tokens, TB), D, DP, row_resid, mean, reduce_id)
+    smem = (BRANCH_P * CP + launch.leaf_stages * PB * TB * GP * (2 if row_resid else 1)) * DP \
         * k.element_size()
     _leaf_groups_kernel[(n_par, n_chunk, B * HKV)](
         rows, k, start, pairs, scores, Tq, Tk, n_tiles, tile0, HKV, n_chunk, n_par, cfg.scale,
-        *s_rows, k.stride(0), k.stride(1), k.stride(2),
-        PB=PB, TB=TB, NCH=cdiv(row_tokens, TB), QT=Qt, G=G, GP=GP, D=D, DP=DP, C=C, CP=CP,
-        G_BR=g, GBP=GBP, S=S, SCORER=SCORER_ID[cfg.leaf_scorer], REDUCE=reduce_id, MEAN=mean,
-        LO_R=LO_R, F32_PREC=F32_PRECISION, num_warps=kcfg.leaf_warps,
-        num_stages=kcfg.leaf_stages if smem <= 160_000 else 1)
+        *strides_of(rows), *strides_of(k), PB, CP, SCORER_ID[cfg.leaf_scorer], leaf_rows, tree,
+        num_warps=launch.leaf_warps,
+        num_stages=launch.leaf_stages if smem <= SELECT_STAGE_SMEM else 1)
 
     BT = 16
-    SPP = pow2(S)
     _leaf_topk_kernel[(cdiv(n_tiles, BT), HKV, B)](
         keys, scores, block_idx, counts, blk0, Tq, Tk, n_tiles, tile0, n_par,
-        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
-        counts.stride(0), counts.stride(1),
-        BT=BT, QT=Qt, C=C, G_BR=g, GBP=GBP, S=S, SPP=SPP, KS=min(SPP * GBP, pow2(cfg.topk)),
-        TOPK=cfg.topk, SLOTS=cfg.slots, SP=pow2(cfg.slots), IN_BUDGET=cfg.forced_in_budget,
-        SLOT_NONE=slot_none, VARLEN=varlen, num_warps=kcfg.topk_warps)
+        *strides_of(block_idx), counts.stride(0), counts.stride(1),
+        BT, Qt, min(tree.PAR_SLOTS_P * BRANCH_P, pow2(cfg.topk)), tree, pick_of(cfg), varlen,
+        num_warps=launch.topk_warps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -992,7 +914,8 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
 # ------------------------------------------------------------------------------------------------
 
 def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig, pyramid: Pyramid,
-                          blk0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          blk0: torch.Tensor | None = None, *,
+                          launch: SelectLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pyramid selection per query tile (``cfg.query_tile`` tokens, one by default) and KV head
     (``cfg.selector == "pyramid"``, beams narrower than the leaf count).
 
@@ -1002,7 +925,8 @@ def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig, p
     ``-1`` padded) and ``counts [B, n_tiles, HKV] int32``, ``n_tiles = n_query_tiles(Tq, Tk,
     cfg.query_tile)`` (``Tq`` for per-token selection). ``blk0 [cdiv(Tk, C)]`` int32, for a packed
     layout of sequences (``B = 1``, ``pisa.ops.utils.varlen``): each block's sink, the first block of
-    its sequence, ``-1`` for a block without queries (its rows are left empty)."""
+    its sequence, ``-1`` for a block without queries (its rows are left empty). ``launch``: the
+    kernels' launch knobs (``utils.launch.SelectLaunch``; default: the tuned ones)."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
     if cfg.scorer == "bound" and pyramid.mins is None:
@@ -1012,5 +936,5 @@ def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig, p
     block_idx = empty(B, n_tiles, HKV, cfg.slots, dtype=torch.int32, device=q.device)
     counts = empty(B, n_tiles, HKV, dtype=torch.int32, device=q.device)
     if B * n_tiles * HKV:
-        _launch_select(q, k, cfg, pyramid, block_idx, counts, blk0)
+        _launch_select(q, k, cfg, pyramid, block_idx, counts, blk0, launch or _LAUNCH)
     return block_idx, counts

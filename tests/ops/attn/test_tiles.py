@@ -37,10 +37,11 @@ def device(backend):
 
 @pytest.fixture
 def triton_cfg(monkeypatch):
-    """Replace Triton launch knobs (``KernelConfig`` fields) for one test."""
+    """Replace Triton launch knobs (``AttnLaunch`` fields) for one test."""
     def set_cfg(**knobs):
         import pisa.ops.attn.triton as attn_triton
-        monkeypatch.setattr(attn_triton, "_CFG", dataclasses.replace(attn_triton._CFG, **knobs))
+        monkeypatch.setattr(attn_triton, "_LAUNCH",
+                            dataclasses.replace(attn_triton._LAUNCH, **knobs))
     return set_cfg
 
 
@@ -165,21 +166,22 @@ def test_deterministic_is_bitwise_repeatable(chunk, rng, triton_cfg):
 def test_tile_plans():
     """Rows per program: whole tiles in [tile_min_rows, rows], split above, padded below; dK/dV
     steps of ``tile_dkv_rows`` rows and chunks of about ``dkv_chunk`` tokens."""
-    from pisa.ops.attn.triton import _CFG, KernelConfig, _dkv_plan, _tile_part
+    from pisa.ops.attn.triton import _LAUNCH, _dkv_plan, _tile_part
+    from pisa.ops.utils.launch import AttnLaunch
     assert _tile_part(16, 16, 128, 32, 128) == (8, 2)    # 256 rows: two programs of 128
     assert _tile_part(16, 4, 128, 32, 128) == (16, 1)    # 64 rows
     assert _tile_part(2, 1, 128, 32, 128) == (32, 1)     # 2 rows padded to 32
     assert _tile_part(64, 64, 128, 32, 128) == (2, 32)   # at least 2 tokens a program
     assert _tile_part(16, 16, 128, 32, 256) == (4, 4)    # D=256 halves the rows
     # the H200-tuned defaults: 32-row dK/dV steps, chunks of 2048 tokens
-    assert (_CFG.dkv_rows, _CFG.tile_dkv_rows, _CFG.dkv_chunk) == (32, 32, 2048)
-    assert _dkv_plan(16, 16, _CFG) == (2, 1, 128)        # a tile over 8 steps
-    assert _dkv_plan(2, 4, _CFG) == (2, 4, 1024)         # 4 tiles a step
-    assert _dkv_plan(64, 16, _CFG) == (2, 1, 32)         # 32 rows: 2 tokens of G=16 a step
-    assert _dkv_plan(1, 16, _CFG) == (1, 2, 2048)        # per token: 2 tokens (the minimum)
-    assert _dkv_plan(1, 4, _CFG) == (1, 8, 2048)         # per token: 32 rows
+    assert (_LAUNCH.dkv_rows, _LAUNCH.tile_dkv_rows, _LAUNCH.dkv_chunk) == (32, 32, 2048)
+    assert _dkv_plan(16, 16, _LAUNCH) == (2, 1, 128)        # a tile over 8 steps
+    assert _dkv_plan(2, 4, _LAUNCH) == (2, 4, 1024)         # 4 tiles a step
+    assert _dkv_plan(64, 16, _LAUNCH) == (2, 1, 32)         # 32 rows: 2 tokens of G=16 a step
+    assert _dkv_plan(1, 16, _LAUNCH) == (1, 2, 2048)        # per token: 2 tokens (the minimum)
+    assert _dkv_plan(1, 4, _LAUNCH) == (1, 8, 2048)         # per token: 32 rows
     # the same rules at 64-row steps and 512-token chunks
-    big = KernelConfig(dkv_rows=64, tile_dkv_rows=64, dkv_chunk=512)
+    big = AttnLaunch(dkv_rows=64, tile_dkv_rows=64, dkv_chunk=512)
     assert _dkv_plan(16, 16, big) == (4, 1, 32)          # a tile over 4 steps
     assert _dkv_plan(2, 4, big) == (2, 8, 256)           # 8 tiles a step
     assert _dkv_plan(1, 16, big) == (1, 4, 512)          # per token

@@ -37,8 +37,8 @@ def dkv_chunk(monkeypatch):
     queries, the sink of any longer prefill, is split into chunks summed by atomics or, when
     deterministic, by the fixed-order reduce), so small inputs reach the split path."""
     def set_chunk(chunk):
-        monkeypatch.setattr(attn_triton, "_CFG",
-                            dataclasses.replace(attn_triton._CFG, dkv_chunk=chunk))
+        monkeypatch.setattr(attn_triton, "_LAUNCH",
+                            dataclasses.replace(attn_triton._LAUNCH, dkv_chunk=chunk))
     return set_chunk
 
 

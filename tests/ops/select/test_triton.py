@@ -70,8 +70,8 @@ def test_deep_pyramid_and_leaf_chunks(monkeypatch):
     cfg = per_token_config(block_size=C, topk=5, branching=2, beam=3, selector="pyramid", scale=0.3)
     want = naive_select(q, k, cfg)
     assert_same(_triton(q, k, cfg), want, "deep pyramid")
-    monkeypatch.setattr(select_triton, "_KCFG",
-                        dataclasses.replace(select_triton._KCFG, leaf_chunk=3))
+    monkeypatch.setattr(select_triton, "_LAUNCH",
+                        dataclasses.replace(select_triton._LAUNCH, leaf_chunk=3))
     assert_same(_triton(q, k, cfg), want, "deep pyramid, 3-query leaf chunks")
 
 

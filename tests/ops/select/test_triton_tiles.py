@@ -17,6 +17,7 @@ from pisa.ops.pyramid.torch_backend import build_pyramid_torch
 from pisa.ops.select import select
 from pisa.ops.select.naive import naive_select
 from pisa.ops.utils.config import n_query_tiles
+from pisa.ops.utils.launch import SelectLaunch
 from tests.ops.conftest import INTERPRET, per_token_config
 from tests.ops.select.common import assert_same, inputs, rows_equal
 
@@ -93,8 +94,8 @@ def test_tile_leaf_chunks(monkeypatch):
     cfg = _cfg(4, 5, 2, 2, W2=4, Qt=4, reduce="qmean")
     want = naive_select(q, k, cfg)
     assert_same(_triton(q, k, cfg), want, "deep pyramid")
-    monkeypatch.setattr(select_triton, "_KCFG",
-                        dataclasses.replace(select_triton._KCFG, leaf_chunk=3))
+    monkeypatch.setattr(select_triton, "_LAUNCH",
+                        dataclasses.replace(select_triton._LAUNCH, leaf_chunk=3))
     assert_same(_triton(q, k, cfg), want, "3-tile leaf chunks")
 
 
@@ -179,8 +180,8 @@ def test_gpu_tile_lengths_compile_nothing(rng):
 
 
 @pytest.mark.parametrize("scorer", ["bound", "lse"])
-def test_without_residuals_selections_stay_valid_and_close(scorer):
-    """``SelectKernelConfig(residuals=False)`` (16-bit summaries and mean queries, no residuals):
+def test_without_residuals_selections_stay_valid_and_close(scorer, poison_outputs):
+    """``SelectLaunch(residuals=False)`` (16-bit summaries and mean queries, no residuals):
     every row is still a valid selection with the default's counts, and all but near-tied rows
     equal the default's (the knob only rounds the internal scores)."""
     from dataclasses import replace
@@ -191,14 +192,13 @@ def test_without_residuals_selections_stay_valid_and_close(scorer):
     pyramid = build_pyramid_torch(k.float(), C, 2, cfg.uses_bounds)
     n = n_query_tiles(T, T, 4)
 
-    def run(kcfg):
-        idx = torch.full((1, n, HKV, cfg.slots), -7, dtype=torch.int32, device=DEVICE)
-        cnt = torch.full((1, n, HKV), -7, dtype=torch.int32, device=DEVICE)
-        select_triton._launch_select(q, k, cfg, pyramid, idx, cnt, None, kcfg)
+    def run(launch):  # outputs poisoned: every element written
+        idx, cnt = select_triton.select_pyramid_triton(q, k, cfg, pyramid, launch=launch)
+        assert idx.shape == (1, n, HKV, cfg.slots)
         return idx, cnt
 
-    want = run(select_triton.SelectKernelConfig())
-    got = run(replace(select_triton.SelectKernelConfig(), residuals=False))
+    want = run(SelectLaunch())
+    got = run(replace(SelectLaunch(), residuals=False))
     assert torch.equal(got[1], want[1])
     idx = got[0].cpu()
     valid = idx >= 0
