@@ -6,8 +6,9 @@
 Config A at ``--len`` tokens (bf16, B=1, HQ=64, HKV=4, D=128, C=64, K=16, g=2) at the library's
 default selection (16-token ``qmean`` tiles, the bound scorer, ``beam_leaf=32``; ``--query-tile
 1 --scorer lse --beam-leaf 0`` for the first wave's per-token walk). The pyramid is built once;
-each setting of ``select.triton.SelectKernelConfig`` in the grid below (one knob group at a time,
-the others at their defaults) times the selection kernels alone (``time_ms``) and checks that its
+each setting of ``pisa.ops.utils.launch.SelectLaunch`` in the grid below (one knob group at a time,
+the others at their defaults) times the selection kernels alone (``time_ms`` of the public
+``select_pyramid_triton`` with ``launch=``) and checks that its
 selection equals the default setting's (``same``: share of equal rows; launch knobs must not
 change results). ``--budget`` seconds stops the sweep early (what finished is written). Without
 a GPU it runs on the CPU under ``TRITON_INTERPRET=1`` (a check that it runs, at a small
@@ -25,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import C, D, HKV, HQ, K, G_BR, Results, knob_sweep, randn_qkv, result_row, shape
 from pisa.ops.pyramid import build_pyramid
-from pisa.ops.select import triton as kern
-from pisa.ops.utils.config import (BEAM_LEAF, QUERY_TILE, SCORER, TILE_REDUCE, SelectConfig,
-                                   n_query_tiles)
+from pisa.ops.select.triton import select_pyramid_triton
+from pisa.ops.utils.launch import SelectLaunch
+from pisa.ops.utils.config import BEAM_LEAF, QUERY_TILE, SCORER, TILE_REDUCE, SelectConfig
 
 GRID = {
     "walk": dict(walk_warps=(2, 4, 8), walk_stages=(1, 2, 3)),
@@ -52,18 +53,15 @@ def main():
     T = args.len
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, _ = randn_qkv(T, HQ, HKV, D, seed=0, device=dev)
-    cfg = SelectConfig(C, K, G_BR, K, args.scorer, "pyramid", True, D ** -0.5, args.query_tile,
-                       args.beam_leaf or None, args.tile_reduce)
+    cfg = SelectConfig(block_size=C, topk=K, branching=G_BR, beam=K, scorer=args.scorer,
+                       scale=D ** -0.5, query_tile=args.query_tile,
+                       beam_leaf=args.beam_leaf or None, tile_reduce=args.tile_reduce)
     pyramid = build_pyramid(k, C, G_BR, "triton", bounds=cfg.uses_bounds)
-    n_tiles = n_query_tiles(T, T, cfg.query_tile)
-    block_idx = torch.empty(1, n_tiles, HKV, cfg.slots, dtype=torch.int32, device=dev)
-    counts = torch.empty(1, n_tiles, HKV, dtype=torch.int32, device=dev)
 
-    def run(kcfg):
-        kern._launch_select(q, k, cfg, pyramid, block_idx, counts, None, kcfg)
-        return block_idx
+    def run(launch):
+        return select_pyramid_triton(q, k, cfg, pyramid, launch=launch)[0]
 
-    base = kern.SelectKernelConfig()
+    base = SelectLaunch()
     want = run(base).clone()
     knobs = dict(query_tile=cfg.query_tile, scorer=cfg.scorer, tile_reduce=cfg.tile_reduce,
                  beam_leaf=cfg.beam_at(2))

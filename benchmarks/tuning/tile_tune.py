@@ -5,11 +5,14 @@
 
 Config A at ``--len`` tokens (bf16, B=1, HQ=64, HKV=4, D=128, C=64, K=16), one random selection
 per query tile of ``--query-tile`` tokens (``attn_kernel.random_selection`` shared by the tile's
-tokens, or by ``--share`` tokens; ``--query-tile 1`` times the per-token kernels). Each kernel is
-timed alone (``time_ms``) for every setting of its ``KernelConfig`` knobs in the grid below, the
-others at their defaults; rows give ms and effective TFLOP/s (``common.attn_tflops``, the forward
-counting 4 * HQ * D * keys per token; dQ and dK/dV by their products, ``_PASSES``). ``--budget``
-seconds stops the sweep early (what finished is written).
+tokens, or by ``--share`` tokens; ``--query-tile 1`` times the per-token kernels). Every setting
+of one kernel's ``pisa.ops.utils.launch.AttnLaunch`` knobs in the grid below, the others at their
+defaults, is timed (``time_ms``) through the public launchers' ``launch=`` argument: the forward
+through ``attn_fwd_triton``, the dQ and dK/dV knobs through ``attn_bwd_triton`` (the whole
+backward: the other kernel's fixed time is in every row of the group, so the rows differ by the
+swept kernel's). Rows give ms and effective TFLOP/s (``common.attn_tflops``, the forward counting
+4 * HQ * D * keys per token, the backward 2.5 times that, ``_PASSES``). ``--budget`` seconds
+stops the sweep early (what finished is written).
 """
 from __future__ import annotations
 
@@ -23,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (C, D, HKV, HQ, K, Results, attn_tflops, keys_attended, knob_sweep,
                     randn_qkv, random_selection, result_row, shape)
-from pisa.ops.attn import triton as kern
+from pisa.ops.attn.triton import attn_bwd_triton, attn_fwd_triton
+from pisa.ops.utils.launch import AttnLaunch
 
-# in forward passes (2 products of one QK^T's size each): dQ recomputes S and dP and forms dQ
-# (3 products), dK/dV recomputes S and dP and forms dV and dK (4); the backward's 2.5 passes
-# count the 5 products a fused backward needs
-_PASSES = {"fwd": 1.0, "dq": 1.5, "dkv": 2.0}
+# in forward passes (2 products of one QK^T's size each): the backward's 2.5 passes count the 5
+# products a fused backward needs (dQ and dK/dV groups time the whole backward)
+_PASSES = {"fwd": 1.0, "dq": 2.5, "dkv": 2.5}
 GRID = {
     "fwd": dict(tile_fwd_rows=(64, 128, 256), tile_fwd_warps=(4, 8), tile_fwd_stages=(2, 3)),
     "dq": dict(tile_dq_rows=(64, 128, 256), tile_dq_warps=(4, 8), tile_dq_stages=(2, 3)),
@@ -60,19 +63,13 @@ def main():
     idx = per_token[:, ::qt].contiguous()
     del per_token
     scale = D ** -0.5
-    base = kern.KernelConfig()
-    if qt == 1:
-        calls = {
-            "fwd": lambda cfg: kern._attn_fwd(q, k, v, idx, C, scale, cfg),
-            "dq": lambda cfg: kern._attn_dq(q, k, v, do, lse, delta, idx, C, scale, cfg)}
-    else:
-        calls = {
-            "fwd": lambda cfg: kern._tile_fwd(q, k, v, idx, C, scale, qt, cfg),
-            "dq": lambda cfg: kern._tile_dq(q, k, v, do, lse, delta, idx, C, scale, qt, cfg)}
-    calls["dkv"] = lambda cfg: kern._attn_dkv(q, k, v, do, lse, delta, idx, C, scale, False, qt,
-                                              cfg)
-    o, lse = calls["fwd"](base)
-    delta = kern._delta(o, do, None)
+    base = AttnLaunch()
+    o, lse = attn_fwd_triton(q, k, v, idx, C, scale, qt)
+
+    def backward(launch):
+        return attn_bwd_triton(do, None, q, k, v, o, lse, idx, C, scale, False, qt, launch=launch)
+    calls = {"fwd": lambda launch: attn_fwd_triton(q, k, v, idx, C, scale, qt, launch=launch),
+             "dq": backward, "dkv": backward}
     out = Results(args.json, "cuda", query_tile=qt, share=args.share or qt, T=T,
                   keys_per_token=keys)
     deadline = time.time() + args.budget
