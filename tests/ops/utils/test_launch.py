@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pisa.ops.pyramid.torch_backend import build_pyramid_torch
-from pisa.ops.utils.config import SelectConfig
 from pisa.ops.utils.launch import AttnLaunch, FlatSelectLaunch, SelectLaunch
 from tests.ops.attn.common import make_qkv, random_selection
+from tests.ops.conftest import per_token_config
 from tests.ops.select.common import assert_same, inputs
 
 pytest.importorskip("triton")  # conftest sets TRITON_INTERPRET=1 without CUDA
@@ -55,7 +55,7 @@ def test_select_launches_keep_the_selection():
     of 32 rows a program: the selections of the defaults."""
     T, HKV, G, D, C = 96, 1, 2, 16, 8
     q, k = (x.to(DEVICE) for x in inputs(1, T, T, HKV, G, D, seed=1))
-    cfg = SelectConfig(block_size=C, topk=4, branching=2, beam=2, scale=D ** -0.5, query_tile=4,
+    cfg = per_token_config(block_size=C, topk=4, branching=2, beam=2, scale=D ** -0.5, query_tile=4,
                        tile_reduce="lse")
     pyramid = build_pyramid_torch(k, C, 2)
     assert_same(select_pyramid_triton(q, k, cfg, pyramid,
