@@ -104,7 +104,7 @@ def hf_level(args) -> dict | None:
         start = time.perf_counter()
         default = model.generate(prompt, **kw)
         mid = time.perf_counter()
-        cached = model.generate(prompt, cache=pisa_hf.PisaHFCache(
+        cached = model.generate(prompt, past_key_values=pisa_hf.PisaHFCache(
             model.config, max_cache_len=args.prompt + args.new), **kw)
         end = time.perf_counter()
     same = int((cached[0, args.prompt:] == default[0, args.prompt:]).sum())

@@ -9,7 +9,7 @@ After ``register()``, any model whose attention modules dispatch through transfo
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="pisa")
     model.config.pisa_topk = 16            # optional knobs, read at every call (see PISA_DEFAULTS)
     out = model.generate(ids, max_new_tokens=64,
-                         cache=pisa_hf.PisaHFCache(model.config, max_cache_len=4096))
+                         past_key_values=pisa_hf.PisaHFCache(model.config, max_cache_len=4096))
 
 transformers hands the attention function ``query [B, HQ, Tq, D]`` and the full keys/values of its
 cache ``[B, HKV, Tk, D]`` (post-RoPE). The queries are the last ``Tq`` of the ``Tk`` positions, which
@@ -354,8 +354,9 @@ class PisaHFCache(Cache):
         max_cache_len: int. Tokens per sequence the cache can hold (prompt + new tokens);
             preallocated at the first forward.
 
-    Pass it to ``generate(..., cache=PisaHFCache(model.config, max_cache_len))`` (``cache`` is
-    ``past_key_values`` before transformers 5.2x) or to a forward call. Unpadded batches only;
+    Pass it to ``generate(..., past_key_values=PisaHFCache(model.config, max_cache_len))`` (the
+    keyword every transformers 5 release takes; 5.2x also names it ``cache``) or to a forward
+    call. Unpadded batches only;
     no beam search, cropping or offloading.
     """
 
