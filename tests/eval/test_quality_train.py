@@ -186,6 +186,7 @@ def test_stem_steps_end_where_the_first_run_turns_sparse():
     assert qt.stem_steps(args, runs) == 0
 
 
+@pytest.mark.slow  # ~25 s of subprocess launches: the benchmark launcher, not the library
 def test_launcher_trains_the_shared_start_once_per_seed(site, tmp_path):
     """``--steps`` fixed: one dense stem per seed trains the dense start, every run of that
     seed resumes it; the merged result says so (``meta.stems``, each run's ``stem``). A second
