@@ -87,8 +87,8 @@ import triton.language as tl
 from ..utils.config import SelectConfig
 from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.op import (KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries, load_rows,
-                        online_softmax_step, pack, selection_row, softmax_output, store_rows,
-                        unpack_idx)
+                        online_softmax_step, pack, poisoned, selection_row, softmax_output,
+                        store_rows, unpack_idx)
 from ..utils.triton_utils import DECODE_STAGE_SMEM, F32_PREC, pick_of
 from ..utils.walk_triton import candidates, forced_parents, leaf_keys, leaf_scores
 
@@ -699,12 +699,15 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     paged = block_table is not None
     table = block_table if paged else cache_seqlens  # an unused pointer when contiguous
     # everything but the tensors is a function of this key: computed once, reused every step
-    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.dtype, k_cache.stride(),
            v_cache.stride(), sums.shape, sums.stride(), mins.shape, mins.dtype, mins.stride(),
            maxs.shape, maxs.dtype, maxs.stride(), cache_seqlens.is_contiguous(), table.shape,
            table.stride(), cfg, paged, cache_batch_idx is not None, return_block_idx,
            num_splits, num_warps, num_stages)
-    plan = _PLANS.get(key)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable knob: _check_supported names it
+        plan, key = None, None
     if plan is None:
         _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps, num_stages)
         if bound and any(x.shape != sums.shape or x.dtype != sums.dtype
@@ -712,20 +715,22 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             raise ValueError("mins and maxs must have the shape, dtype and strides of sums")
         if len(_PLANS) >= 256:  # shapes that come and go (tests): no unbounded growth
             _PLANS.clear()
-        plan = _PLANS[key] = _plan(q, k_cache, v_cache, sums, table, cfg, paged,
-                                   cache_batch_idx is not None, return_block_idx, num_splits,
-                                   num_warps, num_stages)
+        plan = _plan(q, k_cache, v_cache, sums, table, cfg, paged, cache_batch_idx is not None,
+                     return_block_idx, num_splits, num_warps, num_stages)
+        if key is not None:
+            _PLANS[key] = plan
     B, HQ, D, HKV, splits = plan.B, plan.HQ, plan.D, plan.HKV, plan.splits
-    o = empty(B, 1, HQ, D, dtype=q.dtype, device=q.device)
-    lse = empty(B, HQ, 1, dtype=torch.float32, device=q.device)
+    dev, f32, poison = q.device, torch.float32, poisoned()
+    o = empty(B, 1, HQ, D, dtype=q.dtype, device=dev, poison=poison)
+    lse = empty(B, HQ, 1, dtype=f32, device=dev, poison=poison)
     block_idx = lse  # an unused pointer unless the selection is asked for
     if return_block_idx:
-        block_idx = empty(B, 1, HKV, cfg.slots, dtype=torch.int32, device=q.device)
+        block_idx = empty(B, 1, HKV, cfg.slots, dtype=torch.int32, device=dev, poison=poison)
     if splits == 1:
         out, out_lse = o, lse
     else:
-        out = empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
-        out_lse = empty(B, HQ, splits, dtype=torch.float32, device=q.device)
+        out = empty(B, HQ, splits, D, dtype=f32, device=dev, poison=poison)
+        out_lse = empty(B, HQ, splits, dtype=f32, device=dev, poison=poison)
     if B == 0:
         return (o, lse, block_idx) if return_block_idx else (o, lse)
     slot_idx = cache_batch_idx if cache_batch_idx is not None else cache_seqlens  # unused
