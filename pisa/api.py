@@ -442,10 +442,30 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
                          cache_batch_idx=cache_batch_idx)
     backend = resolve_backend(backend, q)
     # C and g are the cache's; selector="auto" and beam_ref_len go by its capacity
-    cfg = resolve_config(q, None, backend, seqlen_k=cache.max_seqlen, block_size=cache.block_size,
-                         branching=cache.branching, topk=topk, beam=beam, beam_leaf=beam_leaf,
-                         beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
-                         forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
-                         tile_reduce=tile_reduce)
+    cfg = _step_config(q, backend, seqlen_k=cache.max_seqlen, block_size=cache.block_size,
+                       branching=cache.branching, topk=topk, beam=beam, beam_leaf=beam_leaf,
+                       beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
+                       forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
+                       tile_reduce=tile_reduce)
     o, lse = cache.attend(q, rows, k_new, v_new, cfg=cfg, backend=backend)
     return (o, lse) if return_lse else o
+
+
+# A decode step is host-bound: the config of a step's knobs is resolved once and reused.
+_STEP_CONFIGS: dict[tuple, SelectConfig] = {}
+
+
+def _step_config(q: torch.Tensor, backend: str, **knobs) -> SelectConfig:
+    """``resolve_config(q, None, backend, **knobs)``, memoised on the knobs with their types (a
+    bad knob still raises every call: only resolved configs are kept)."""
+    key = (backend, q.shape[-1], *((k, type(v), v) for k, v in knobs.items()))
+    try:
+        cfg = _STEP_CONFIGS.get(key)
+    except TypeError:  # an unhashable knob: resolve_config names it
+        return resolve_config(q, None, backend, **knobs)
+    if cfg is None:
+        cfg = resolve_config(q, None, backend, **knobs)
+        if len(_STEP_CONFIGS) >= 256:
+            _STEP_CONFIGS.clear()
+        _STEP_CONFIGS[key] = cfg
+    return cfg

@@ -246,15 +246,29 @@ class PisaCache:
                          self._table(block_table, slots), cache_seqlens is None)
         # an append to every slot reads only the cache's own tensors, trusted (``check``)
         if q is not None or slots is not None:
-            check_cache(self.k_cache, self.v_cache, self.sums, rows.seqlens, self.block_size,
-                        self.branching, self.mins, self.maxs, block_table=rows.block_table,
-                        cache_batch_idx=slots)
+            self._check_tensors(rows)
         if k_new is not None or q is None:  # an append alone needs its keys and values
             check_new_kv(self.k_cache, k_new, v_new, B)
         n_new = 0 if k_new is None else k_new.shape[1]
         self._check_values(rows, cache_seqlens, block_table, n_new,
                            sync=q is not None and q.shape[1] > 1)  # chunked prefill syncs
         return rows
+
+    def _check_tensors(self, rows: CacheRows) -> None:
+        """``kvcache.check_cache`` of the cache's tensors with a call's lengths, table and slots
+        (metadata only), once per metadata: a decode step is host-bound, and a server's steps
+        repeat the same few."""
+        key = (_meta(rows.seqlens), _meta(rows.block_table), _meta(rows.slots),
+               id(self.k_cache), id(self.v_cache), id(self.sums), id(self.mins), id(self.maxs))
+        checked = self.__dict__.setdefault("_checked", set())
+        if key in checked:
+            return
+        check_cache(self.k_cache, self.v_cache, self.sums, rows.seqlens, self.block_size,
+                    self.branching, self.mins, self.maxs, block_table=rows.block_table,
+                    cache_batch_idx=rows.slots)
+        if len(checked) >= 64:
+            checked.clear()
+        checked.add(key)
 
     def _check_values(self, rows: CacheRows, cache_seqlens, block_table, n_new: int,
                       sync: bool) -> None:
@@ -552,6 +566,13 @@ class PagedPisaCache(PisaCache):
                 f"branching={self.branching}, dtype={self.dtype}, device={self.device}, "
                 f"bounds={self.has_bounds}, live={len(self._pages)}, "
                 f"free_pages={self.free_pages})")
+
+
+def _meta(x) -> tuple | None:
+    """What ``check_cache`` reads of an index or length tensor (a non-tensor: its type)."""
+    if not isinstance(x, torch.Tensor):
+        return None if x is None else (type(x),)
+    return x.shape, x.dtype, x.device, x.stride()
 
 
 def _rows(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

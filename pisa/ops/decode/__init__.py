@@ -35,7 +35,8 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     A decode step is always per token: ``cfg.query_tile`` and ``cfg.tile_reduce`` are ignored by
     design (``docs/spec.md`` §11), so with ``query_tile > 1`` the step equals prefill's row of
     a per-token selection (``query_tile=1``), not of the tile-shared one."""
-    cfg = dataclasses.replace(cfg, query_tile=1, tile_reduce="sum")  # one token: any reduction
+    if cfg.query_tile != 1 or cfg.tile_reduce != "sum":  # one token: any reduction
+        cfg = dataclasses.replace(cfg, query_tile=1, tile_reduce="sum")
     where = dict(mins=mins, maxs=maxs, block_table=block_table, cache_batch_idx=cache_batch_idx)
     if backend == "triton" and cfg.selector == "pyramid" and cfg.scorer in ("lse", "bound"):
         from .triton import decode_triton

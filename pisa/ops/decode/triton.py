@@ -87,8 +87,8 @@ import triton.language as tl
 from ..utils.config import SelectConfig
 from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.op import (KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries, load_rows,
-                        online_softmax_step, pack, selection_row, softmax_output, store_rows,
-                        unpack_idx)
+                        online_softmax_step, pack, poisoned, selection_row, softmax_output,
+                        store_rows, unpack_idx)
 from ..utils.triton_utils import DECODE_STAGE_SMEM, F32_PREC, pick_of
 from ..utils.walk_triton import candidates, forced_parents, leaf_keys, leaf_scores
 
@@ -577,6 +577,69 @@ def beam_widths(cfg: SelectConfig, n_leaves: int) -> tuple[int, int, int, int]:
     return W, WP, W2, W2P
 
 
+class _Plan(NamedTuple):
+    """A step's launch: what follows from its inputs' metadata and ``cfg`` alone."""
+
+    B: int
+    HQ: int
+    D: int
+    HKV: int
+    splits: int
+    splits_p: int
+    args: tuple  # ``_decode_kernel``'s arguments after its ten pointers
+    num_warps: int
+    num_stages: int
+
+
+# A decode step is host-bound (B=1 at 1M: a 0.115 ms kernel), so its launch constants are
+# computed once per (shapes, strides, cfg, knobs) and reused; a server sees a handful of keys.
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(q, k_cache, v_cache, sums, table, cfg: SelectConfig, paged: bool, slot_idx: bool,
+          write_idx: bool, num_splits, num_warps, num_stages) -> _Plan:
+    B, _, HQ, D = q.shape
+    HKV, C, branching = k_cache.shape[2], cfg.block_size, cfg.branching
+    T_max = table.shape[1] * C if paged else k_cache.shape[1]
+    G = HQ // HKV
+    offsets = level_offsets(T_max, C, branching)
+    n_levels, n_leaves = len(offsets) - 1, offsets[1]
+    W, WP, W2, W2P = beam_widths(cfg, n_leaves)
+    bound = cfg.scorer == "bound"
+    slots = cfg.slots
+    splits = min(num_splits or default_num_splits(B, HKV, slots, q.device), slots)
+    kps = cdiv(slots, splits)
+    splits = cdiv(slots, kps)  # no split without a list entry
+    if splits == 1:  # o [B, 1, HQ, D], lse [B, HQ, 1]: q's layout, contiguous
+        o_strides = (HQ * D, D, 0)
+        l_strides = (HQ, 1, 0)
+    else:  # the partials [B, HQ, splits, D] and [B, HQ, splits], contiguous
+        o_strides = (HQ * splits * D, splits * D, D)
+        l_strides = (HQ * splits, splits, 1)
+    i_strides = (HKV * slots, slots) if write_idx else (HQ, 1)  # block_idx, or lse unused
+    es = k_cache.element_size()
+    stages = num_stages or _NUM_STAGES
+    # a block's rows start at block (contiguous) or page (paged) index x C: a page pool is
+    # contiguous across its pages (check_cache), so its rows are s_kt apart too
+    k_strides = (0 if paged else k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    v_strides = (0 if paged else v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    args = (
+        T_max, n_leaves, max(n_levels - 2, 0), k_cache.shape[0], sums.shape[0],
+        cfg.scale, cfg.scale * LOG2E, q.stride(0), q.stride()[1:3], k_strides[0], k_strides[1:],
+        v_strides[0], v_strides[1:], table.stride(0), sums.stride(0), sums.stride()[1:3],
+        o_strides[0], o_strides[1:], l_strides[0], l_strides[1:], i_strides[0], i_strides[1],
+        DecodeShape(G, max(pow2(G), _MIN_ROWS), D, C, C.bit_length() - 1, branching,
+                    branching.bit_length() - 1, W, WP, W2, W2P,
+                    min(2 * branching * W2P, pow2(cfg.topk)), kps),
+        DecodeModes(bound, paged, slot_idx, write_idx), pick_of(cfg),
+        # tiles: a level's candidates' fp32 child sums (maxs and mins: two), a parent's leaf
+        # keys, a block's K and V
+        DecodeStages(_stages(stages, 2 * branching * WP * D * 4 * (2 if bound else 1), branching),
+                     _stages(stages, branching * C * D * es, W2P + 3),
+                     _stages(stages, 2 * C * D * es, kps)))
+    return _Plan(B, HQ, D, HKV, splits, pow2(splits), args, num_warps or _NUM_WARPS, stages)
+
+
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   sums: torch.Tensor, cache_seqlens: torch.Tensor, cfg: SelectConfig, *,
                   mins: torch.Tensor | None = None, maxs: torch.Tensor | None = None,
@@ -628,71 +691,53 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     No host synchronisation: a step (with ``kvcache.append_kv`` before it) can be captured in a
     CUDA graph.
     """
-    _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps, num_stages)
-    B, _, HQ, D = q.shape
-    HKV, C, branching = k_cache.shape[2], cfg.block_size, cfg.branching
-    paged = block_table is not None
-    T_max = block_table.shape[1] * C if paged else k_cache.shape[1]
-    G = HQ // HKV
-    offsets = level_offsets(T_max, C, branching)
-    n_levels, n_leaves = len(offsets) - 1, offsets[1]
-    W, WP, W2, W2P = beam_widths(cfg, n_leaves)
     bound = cfg.scorer == "bound"
     if bound and (mins is None or maxs is None):
         raise ValueError("scorer='bound' needs the cache's key bounds mins and maxs")
-    if bound and any(x.shape != sums.shape or x.dtype != sums.dtype or x.stride() != sums.stride()
-                     for x in (mins, maxs)):
-        raise ValueError("mins and maxs must have the shape, dtype and strides of sums")
     if not bound:
         mins = maxs = sums  # unused pointers
-    slots = cfg.slots
-    splits = min(num_splits or default_num_splits(B, HKV, slots, q.device), slots)
-    kps = cdiv(slots, splits)
-    splits = cdiv(slots, kps)  # no split without a list entry
-
-    o = empty(B, 1, HQ, D, dtype=q.dtype, device=q.device)
-    lse = empty(B, HQ, 1, dtype=torch.float32, device=q.device)
+    paged = block_table is not None
+    table = block_table if paged else cache_seqlens  # an unused pointer when contiguous
+    # everything but the tensors is a function of this key: computed once, reused every step
+    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.dtype, k_cache.stride(),
+           v_cache.stride(), sums.shape, sums.stride(), mins.shape, mins.dtype, mins.stride(),
+           maxs.shape, maxs.dtype, maxs.stride(), cache_seqlens.is_contiguous(), table.shape,
+           table.stride(), cfg, paged, cache_batch_idx is not None, return_block_idx,
+           num_splits, num_warps, num_stages)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable knob: _check_supported names it
+        plan, key = None, None
+    if plan is None:
+        _check_supported(q, k_cache, cache_seqlens, cfg, num_splits, num_warps, num_stages)
+        if bound and any(x.shape != sums.shape or x.dtype != sums.dtype
+                         or x.stride() != sums.stride() for x in (mins, maxs)):
+            raise ValueError("mins and maxs must have the shape, dtype and strides of sums")
+        if len(_PLANS) >= 256:  # shapes that come and go (tests): no unbounded growth
+            _PLANS.clear()
+        plan = _plan(q, k_cache, v_cache, sums, table, cfg, paged, cache_batch_idx is not None,
+                     return_block_idx, num_splits, num_warps, num_stages)
+        if key is not None:
+            _PLANS[key] = plan
+    B, HQ, D, HKV, splits = plan.B, plan.HQ, plan.D, plan.HKV, plan.splits
+    dev, f32, poison = q.device, torch.float32, poisoned()
+    o = empty(B, 1, HQ, D, dtype=q.dtype, device=dev, poison=poison)
+    lse = empty(B, HQ, 1, dtype=f32, device=dev, poison=poison)
     block_idx = lse  # an unused pointer unless the selection is asked for
     if return_block_idx:
-        block_idx = empty(B, 1, HKV, slots, dtype=torch.int32, device=q.device)
+        block_idx = empty(B, 1, HKV, cfg.slots, dtype=torch.int32, device=dev, poison=poison)
     if splits == 1:
         out, out_lse = o, lse
-        o_strides = (o.stride(0), o.stride(2), 0)
-        l_strides = (lse.stride(0), lse.stride(1), 0)
     else:
-        out = empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
-        out_lse = empty(B, HQ, splits, dtype=torch.float32, device=q.device)
-        o_strides = out.stride()[:3]
-        l_strides = out_lse.stride()
+        out = empty(B, HQ, splits, D, dtype=f32, device=dev, poison=poison)
+        out_lse = empty(B, HQ, splits, dtype=f32, device=dev, poison=poison)
     if B == 0:
         return (o, lse, block_idx) if return_block_idx else (o, lse)
-
-    es = k_cache.element_size()
-    stages = num_stages or _NUM_STAGES
-    # a block's rows start at block (contiguous) or page (paged) index x C: a page pool is
-    # contiguous across its pages (check_cache), so its rows are s_kt apart too
-    k_strides = (0 if paged else k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    v_strides = (0 if paged else v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    table = block_table if paged else cache_seqlens  # an unused pointer when contiguous
     slot_idx = cache_batch_idx if cache_batch_idx is not None else cache_seqlens  # unused
     _decode_kernel[(B, HKV, splits)](
         q, k_cache, v_cache, (sums, mins, maxs), cache_seqlens, table, slot_idx, out, out_lse,
-        block_idx, T_max, n_leaves, max(n_levels - 2, 0), k_cache.shape[0], sums.shape[0],
-        cfg.scale, cfg.scale * LOG2E, q.stride(0), q.stride()[1:3], k_strides[0], k_strides[1:],
-        v_strides[0], v_strides[1:], table.stride(0), sums.stride(0), sums.stride()[1:3],
-        o_strides[0], o_strides[1:], l_strides[0], l_strides[1:], block_idx.stride(0),
-        block_idx.stride(2),
-        DecodeShape(G, max(pow2(G), _MIN_ROWS), D, C, C.bit_length() - 1, branching,
-                    branching.bit_length() - 1, W, WP, W2, W2P,
-                    min(2 * branching * W2P, pow2(cfg.topk)), kps),
-        DecodeModes(bound, paged, cache_batch_idx is not None, return_block_idx), pick_of(cfg),
-        # tiles: a level's candidates' fp32 child sums (maxs and mins: two), a parent's leaf
-        # keys, a block's K and V
-        DecodeStages(_stages(stages, 2 * branching * WP * D * 4 * (2 if bound else 1), branching),
-                     _stages(stages, branching * C * D * es, W2P + 3),
-                     _stages(stages, 2 * C * D * es, kps)),
-        num_warps=num_warps or _NUM_WARPS, num_stages=stages)
+        block_idx, *plan.args, num_warps=plan.num_warps, num_stages=plan.num_stages)
     if splits > 1:
         _combine_kernel[(B, HQ)](out, out_lse, o, lse, HQ, o.stride(0), o.stride(2),
-                                 SPLITS=splits, SPLITS_P=pow2(splits), D=D, num_warps=4)
+                                 SPLITS=splits, SPLITS_P=plan.splits_p, D=D, num_warps=4)
     return (o, lse, block_idx) if return_block_idx else (o, lse)

@@ -136,8 +136,10 @@ def poisoned() -> bool:
     return os.environ.get("PISA_TRITON_POISON", "") not in ("", "0")
 
 
-def empty(*shape, dtype, device) -> torch.Tensor:
-    if poisoned():
+def empty(*shape, dtype, device, poison: bool | None = None) -> torch.Tensor:
+    """``torch.empty``, or NaN-filled with ``poison`` (default ``poisoned()``: a caller
+    allocating several outputs reads the environment once)."""
+    if poisoned() if poison is None else poison:
         return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype,
                           device=device)
     return torch.empty(shape, dtype=dtype, device=device)

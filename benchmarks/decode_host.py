@@ -1,0 +1,101 @@
+"""Host (Python) time of one eager decode step, without a GPU: ``pisa_attn_with_kvcache`` on CPU
+tensors with the Triton launches replaced by Triton's own argument binder and cache-key lookup
+(``JITFunction.run`` up to the driver call), i.e. everything a CUDA step spends on the host
+before the launch itself. Shape: B=1, HQ=64, HKV=4, D=128, C=64, bf16, a 64K-key PisaCache,
+topk=16 (config A).
+
+CPU time of the thread (``time.thread_time``: the box is shared), best of 15 rounds.
+Run from a tree's root: ``PYTHONPATH=$PWD python3 benchmarks/decode_host.py [--profile]``; works on
+trees before the decode refactor too (it only reaches ``pisa.ops.decode.triton``'s two kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # the real JITFunction's binder, not the interpreter
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+from triton.runtime.jit import compute_cache_key, create_function_from_signature  # noqa: E402
+
+import pisa  # noqa: E402
+import pisa.api  # noqa: E402
+from pisa.ops.decode import triton as dec  # noqa: E402
+
+BACKEND = CUDABackend(GPUTarget("cuda", 90, 32))
+
+
+class _Binder:
+    """Stands in for ``kernel[grid](...)``: binds and specialises the arguments and looks the
+    compiled kernel up as ``JITFunction.run`` does, and launches nothing."""
+
+    def __init__(self, kernel):
+        self.bind = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+        self.keys = {}
+
+    def __getitem__(self, grid):
+        return self.run
+
+    def run(self, *args, **kwargs):
+        _, spec, options = self.bind(*args, **kwargs)
+        compute_cache_key(self.keys, spec, options)
+
+
+def _time(fn, n: int) -> float:
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(15):
+        t0 = time.thread_time()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.thread_time() - t0) / n)
+    return best * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlen", type=int, default=65536)
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    B, HQ, HKV, D = 1, 64, 4, 128
+    cache = pisa.PisaCache(B, args.seqlen, HKV, D, block_size=64, dtype=torch.bfloat16)
+    cache.cache_seqlens.fill_(args.seqlen - 1)
+    lens = torch.full((B,), args.seqlen - 1, dtype=torch.int32)
+    q = torch.randn(B, 1, HQ, D, dtype=torch.bfloat16)
+    binders = {name: _Binder(getattr(dec, name)) for name in ("_decode_kernel", "_combine_kernel")}
+    for name, b in binders.items():
+        setattr(dec, name, b)
+    pisa.api.resolve_backend = lambda backend, q: "triton"  # a CUDA q resolves to triton
+
+    def step():
+        pisa.pisa_attn_with_kvcache(q, cache, cache_seqlens=lens, topk=16)
+
+    def decode_args():  # the binder on the kernel's real argument list, alone
+        captured = {}
+        b = binders["_decode_kernel"]
+        bind = b.run
+        b.run = lambda *a, **k: captured.setdefault("x", (a, k))
+        step()
+        b.run = bind
+        a, k = captured["x"]
+        return lambda: b.bind(*a, **k)
+
+    print(f"tree {os.getcwd()}  seqlen {args.seqlen}")
+    print(f"  decode binder alone: {_time(decode_args(), 2000):7.1f} us")
+    print(f"  step, launch stubbed by the binder: {_time(step, args.n):7.1f} us")
+    if args.profile:
+        import cProfile
+        import pstats
+        cProfile.runctx("for _ in range(300): step()", globals(), locals(), "/tmp/decode_host.prof")
+        pstats.Stats("/tmp/decode_host.prof").sort_stats("cumtime").print_stats(25)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
