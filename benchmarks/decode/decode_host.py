@@ -5,7 +5,7 @@ before the launch itself. Shape: B=1, HQ=64, HKV=4, D=128, C=64, bf16, a 64K-key
 topk=16 (config A).
 
 CPU time of the thread (``time.thread_time``: the box is shared), best of 15 rounds.
-Run from a tree's root: ``PYTHONPATH=$PWD python3 benchmarks/decode_host.py [--profile]``; works on
+Run from a tree's root: ``PYTHONPATH=$PWD python3 benchmarks/decode/decode_host.py [--profile]``; works on
 trees before the decode refactor too (it only reaches ``pisa.ops.decode.triton``'s two kernels).
 """
 from __future__ import annotations
