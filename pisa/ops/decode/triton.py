@@ -18,8 +18,8 @@ walk equals prefill's):
   computes from ``t``, ``C`` and ``g`` how many top levels are like that, skips them, and starts
   at the first level with more free nodes, taking all free nodes of the level above as kept. From
   there the candidates are the children of the kept nodes of the level above and of its forced
-  nodes (``utils.walk_triton.candidates``), free ones only: always more than ``W``, so each is scored
-  per head by the LSE over its children's means (``_child_lse``: the cache's sums over the
+  nodes (``utils.walk_triton.candidates``), free ones only: always more than ``W``, so each is
+  scored per head by the LSE over its children's means (``_child_lse``: the cache's sums over the
   children's key count, which is the full span, as every ranked node lies before the query),
   summed over heads, and ``tl.topk`` over packed (score, index) keys keeps ``W``. Per ranked level
   that is ``g`` loads of the candidates' child sums (in flight together, ``num_stages``

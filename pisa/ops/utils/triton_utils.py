@@ -31,9 +31,9 @@ rows, tree, scoring ...), passed as one ``tl.constexpr`` and handed whole to the
 helpers; a field reads as ``ROWS.GP``. The compiler reads a field of a constexpr tuple as a plain
 Python value: fine as a bound, an operand or an int / bool argument of a helper, but a shape list
 and a string argument need constexprs (``tl.zeros([ROWS.TB, ROWS.D])`` fails to compile, while
-the interpreter runs it), so a kernel binds such a field first: ``TB: tl.constexpr = ROWS.TB``. (Bundles holding
-``tl.constexpr`` fields would lift that rule, at ~20 us more host time a launch: building them
-and Triton's hashing and comparing them in its kernel-cache key.)
+the interpreter runs it), so a kernel binds such a field first: ``TB: tl.constexpr = ROWS.TB``.
+(Bundles holding ``tl.constexpr`` fields would lift that rule, at ~20 us more host time a launch:
+building them, and Triton hashing and comparing them for its kernel cache.)
 """
 from __future__ import annotations
 
@@ -79,4 +79,5 @@ def strides_of(x: torch.Tensor) -> tuple[int, tuple[int, int]]:
 
 
 def pick_of(cfg: SelectConfig) -> Pick:
+    """The ``Pick`` of a resolved selection config."""
     return Pick(cfg.topk, cfg.forced_in_budget, cfg.slots, pow2(cfg.slots))
