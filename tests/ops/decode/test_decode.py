@@ -209,29 +209,36 @@ def test_decode_with_new_knobs_reproduces_prefill_rows(backend, rng):
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     B, T, H, G, D, C, K, W = 2, 224, 1, 2, 16, 16, 4, 1  # 14 leaves, 5 levels
     start = [190, 150]
-    gen = torch.Generator().manual_seed(rng)
-    q, k, v = (torch.randn(B, T, h, D, generator=gen, dtype=dtype).to(dev) for h in (H * G, H, H))
     changed = 0
-    for beam_leaf, scorer in ((3, "lse"), (None, "bound"), (5, "bound"), (2, "bound")):
-        W_ = 2 if beam_leaf == 2 else W  # beam_leaf narrower than beam
-        cfg = per_token_config(C, K, 2, W_, scorer, "pyramid", True, D ** -0.5,
-                               beam_leaf=beam_leaf)
-        want = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, backend="torch",
-                         **dict(PER_TOKEN, scorer=scorer, beam_leaf=beam_leaf))
-        plain = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, backend="torch", **PER_TOKEN)
-        cache = PisaCache.from_prefill(k[:, :max(start)], v[:, :max(start)], max_seqlen=T,
-                                       seqlens=start, block_size=C, bounds=True)
-        for _ in range(3):
-            pos = cache.cache_seqlens.long()[:, None]
-            cache.append(_at(k, pos), _at(v, pos))
-            rows = cache.prepare(_at(q, pos))  # the checks of a step, before the dispatch
-            o, _ = decode_step(_at(q, pos), cache.k_cache, cache.v_cache, cache.sums,
-                               rows.seqlens, cache.mins, cache.maxs, cfg=cfg, backend=backend)
-            for b in range(B):
-                t = int(pos[b])
-                torch.testing.assert_close(o[b, 0], want[b, t], rtol=tol, atol=tol,
-                                           msg=f"{beam_leaf} {scorer} t={t} seed {rng}")
-                changed += not torch.allclose(want[b, t], plain[b, t])
+    # a draw where no knob changes a row proves nothing (seldom; seed 1513954882 is one): the
+    # next seed is drawn then
+    for seed in range(rng, rng + 4):
+        if changed:
+            break
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(B, T, h, D, generator=gen, dtype=dtype).to(dev)
+                   for h in (H * G, H, H))
+        for beam_leaf, scorer in ((3, "lse"), (None, "bound"), (5, "bound"), (2, "bound")):
+            W_ = 2 if beam_leaf == 2 else W  # beam_leaf narrower than beam
+            cfg = per_token_config(C, K, 2, W_, scorer, "pyramid", True, D ** -0.5,
+                                   beam_leaf=beam_leaf)
+            want = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, backend="torch",
+                             **dict(PER_TOKEN, scorer=scorer, beam_leaf=beam_leaf))
+            plain = pisa_attn(q, k, v, block_size=C, topk=K, beam=W_, backend="torch",
+                              **PER_TOKEN)
+            cache = PisaCache.from_prefill(k[:, :max(start)], v[:, :max(start)], max_seqlen=T,
+                                           seqlens=start, block_size=C, bounds=True)
+            for _ in range(3):
+                pos = cache.cache_seqlens.long()[:, None]
+                cache.append(_at(k, pos), _at(v, pos))
+                rows = cache.prepare(_at(q, pos))  # the checks of a step, before the dispatch
+                o, _ = decode_step(_at(q, pos), cache.k_cache, cache.v_cache, cache.sums,
+                                   rows.seqlens, cache.mins, cache.maxs, cfg=cfg, backend=backend)
+                for b in range(B):
+                    t = int(pos[b])
+                    torch.testing.assert_close(o[b, 0], want[b, t], rtol=tol, atol=tol,
+                                               msg=f"{beam_leaf} {scorer} t={t} seed {seed}")
+                    changed += not torch.allclose(want[b, t], plain[b, t])
     assert changed, "the knobs never changed a row: the test proves nothing"
 
 
