@@ -234,6 +234,9 @@ def _varlen_select(q, k_row, lay: VarlenLayout, cfg: SelectConfig, backend: str,
     """The selection ``[1, rows, HKV, S]`` (global block ids) of packed queries ``q`` against
     the layout row of keys ``k_row`` (``lay.rows``; that of ``q`` too when the caller has it)."""
     q = q.detach()
+    if cfg.tile_reduce == "mass":  # its rows are tokens of the tile, which a layout row pads
+        raise ValueError("tile_reduce='mass' does not support packed sequences (cu_seqlens) "
+                         "yet: use 'qmean' (the default) or select per sequence")
     if cfg.query_tile > 1 and cfg.tile_reduce == "qmean":  # partial tiles: their own mean
         q_row = lay.mean_tile_rows(q, cfg.query_tile, backend)
     elif q_row is None:

@@ -231,13 +231,17 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         info.update(needle=DOOR_NEEDLE, question=DOOR_QUESTION, doors=DOORS[:cfg.keys])
     rows = []
     for T in cfg.lengths:
+        t0 = time.perf_counter()
         rows += passkey_rows(model, tokenizer, replace(cfg, lengths=[T]), fields["model"])
+        info["timings"][f"T={T}/passkey"] = round(time.perf_counter() - t0, 2)  # every arm
         write_result(args.json, info, rows)
     if not args.no_lm:
         info["corpus"] = corpus()[0]
         for T in cfg.lengths:
             docs = {T: token_samples(tokenizer, T, cfg.samples, skip=HELD_OUT_SKIP)}
+            t0 = time.perf_counter()
             rows += lm_rows(model, docs, cfg, fields["model"])
+            info["timings"][f"T={T}/lm"] = round(time.perf_counter() - t0, 2)
             write_result(args.json, info, rows)
     print(format_table(rows))
     if args.json:

@@ -316,7 +316,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     rows = []
     for T in cfg.lengths:
         docs = {T: token_samples(tokenizer, T, cfg.samples)}
+        t0 = time.perf_counter()
         rows += recall_rows(model, docs, cfg, fields["model"])
+        info["timings"][f"T={T}"] = round(time.perf_counter() - t0, 2)  # prefill + selections
         info["summary"] = summarize_arms(rows, cfg.arms) if cfg.arms else \
             summarize(rows, cfg.target)
         write_result(args.json, info, rows)

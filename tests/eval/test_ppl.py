@@ -70,6 +70,9 @@ def test_cli_eval_commands_run_end_to_end_on_tiny_saved_models(task, tiny_model_
     result = json.loads(out.read_text())
     name = tiny_model_dir.rsplit("/", 1)[1]
     assert result["meta"]["model"] == name and result["meta"]["timings"]["load_s"] >= 0
+    timed = {"ppl": {"T=256/dense", "T=256/pisa", "T=256/flat_lse"},
+             "passkey": {"T=320/passkey", "T=320/lm"}, "recall": {"T=256"}}[task]
+    assert set(result["meta"]["timings"]) == timed | {"load_s"}
     rows = result["rows"]
     assert rows and all(r["model"] == name for r in rows)
     if task == "ppl":

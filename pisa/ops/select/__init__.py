@@ -44,6 +44,9 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
                                 bounds=walk and cfg.uses_bounds)
     if walk:
         return select_pyramid_triton(q, k, cfg, pyramid, blk0)
+    if cfg.tile_reduce == "mass":  # a context of at most a beam of leaves: the torch ranking
+        from .torch_backend import select_torch
+        return select_torch(q, k, cfg, pyramid, blk0)
     return select_flat_triton(q, k, cfg, pyramid, cfg.leaf_scorer, blk0)
 
 

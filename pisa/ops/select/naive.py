@@ -27,7 +27,9 @@ Conventions shared with every backend
   The GQA group's score is the sum of its heads' scores; a tile's score is the sum
   (``tile_reduce="sum"``) or the log-sum-exp (``"lse"``) of its tokens' group scores, or
   (``"qmean"``) the group score of one virtual token: the tile's per-head mean query over its
-  real tokens.
+  real tokens. ``"mass"`` walks as ``"qmean"``; its leaves are ranked by the sum, over the rows
+  (heads) of the tokens ``config.mass_tokens`` picks, of each row's softmax share of the leaf
+  among the tile's free candidates: ``sum_r exp(lse_r(c) - logsumexp_c' lse_r(c'))``.
 - Ties between scores go to the lower block index.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from ..pyramid.naive import naive_pyramid
-from ..utils.config import SelectConfig, n_query_tiles
+from ..utils.config import SelectConfig, mass_tokens, n_query_tiles
 from ..utils.geometry import forced_leaves
 
 
@@ -107,6 +109,27 @@ def _walk(qt, levels, t_ref, forced, cfg: SelectConfig) -> list[int]:
     return active
 
 
+def _leaf_score(qt, keys, leaf_means, c: int, cfg: SelectConfig) -> float:
+    """Tile score of leaf ``c`` for the queries ``qt [n_tok, G, D]`` (the block's mean key for
+    ``flat_mean``, its keys ``keys [Tk, D]`` otherwise)."""
+    C = cfg.block_size
+    if cfg.selector == "flat_mean":
+        return reduce_tokens((cfg.scale * qt @ leaf_means[c]).sum(-1), cfg.tile_reduce)
+    z = cfg.scale * qt @ keys[c * C:(c + 1) * C].T
+    return naive_tile_score(z, torch.ones(z.shape[-1]), cfg.leaf_scorer, cfg.tile_reduce)
+
+
+def _mass_scores(rows, keys, free: list[int], cfg: SelectConfig) -> list[float]:
+    """``tile_reduce="mass"``: per free leaf, the sum over the query rows ``rows [n_rows, G, D]``
+    of each row's softmax share of the leaf's exact LSE among the ``free`` leaves."""
+    if not free:
+        return []
+    C = cfg.block_size
+    lse = torch.stack([torch.logsumexp(cfg.scale * rows @ keys[c * C:(c + 1) * C].T, -1)
+                       for c in free])  # [n_free, n_rows, G]
+    return torch.exp(lse - torch.logsumexp(lse, 0)).sum((1, 2)).tolist()
+
+
 def naive_select(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig):
     """Block selection per query tile (``cfg.query_tile`` tokens; one token by default) and KV
     head.
@@ -132,8 +155,9 @@ def naive_select(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig):
             for j in range(n_tiles):
                 tile = t0 // Qt + j
                 lo, hi = max(tile * Qt, t0), min((tile + 1) * Qt, Tk)  # its query positions
-                qt = q[b, lo - t0:hi - t0, h * G:(h + 1) * G].double()  # [n_tok, G, D]
-                if cfg.tile_reduce == "qmean":  # one virtual token: the mean query per head
+                q_tok = q[b, lo - t0:hi - t0, h * G:(h + 1) * G].double()  # [n_tok, G, D]
+                qt = q_tok
+                if cfg.tile_reduce in ("qmean", "mass"):  # the walk's virtual token: the mean
                     qt = qt.mean(0, keepdim=True)
                 t_ref = hi - 1  # any position of the tile's block gives the same causality
                 forced = forced_leaves(t_ref, C)
@@ -142,16 +166,11 @@ def naive_select(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig):
                 else:
                     cands = list(range(t_ref // C + 1))
                 free = [c for c in cands if c * C <= t_ref and c not in forced]
-                scores = []
-                for c in free:
-                    assert (c + 1) * C <= lo, "a free block ends before the tile: no causal cut"
-                    if cfg.selector == "flat_mean":
-                        z = cfg.scale * qt @ leaf_means[c]  # [n_tok, G]
-                        scores.append(reduce_tokens(z.sum(-1), cfg.tile_reduce))
-                        continue
-                    z = cfg.scale * qt @ keys[c * C:(c + 1) * C].T
-                    scores.append(naive_tile_score(z, torch.ones(z.shape[-1]), cfg.leaf_scorer,
-                                                   cfg.tile_reduce))
+                assert all((c + 1) * C <= lo for c in free), "free blocks end before the tile"
+                if cfg.tile_reduce == "mass":
+                    scores = _mass_scores(q_tok[mass_tokens(hi - lo, Qt, G)], keys, free, cfg)
+                else:
+                    scores = [_leaf_score(qt, keys, leaf_means, c, cfg) for c in free]
                 chosen = sorted(forced + _top(free, scores, cfg.free_budget(len(forced))))
                 block_idx[b, j, h, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
                 counts[b, j, h] = len(chosen)

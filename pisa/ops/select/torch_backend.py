@@ -21,7 +21,8 @@ import torch
 
 from ..pyramid import Pyramid
 from ..pyramid.torch_backend import build_pyramid_torch
-from ..utils.config import CHUNK_ELEMS, MAX_FORCED, PAIRS_PER_GROUP, SelectConfig, n_query_tiles
+from ..utils.config import (CHUNK_ELEMS, MAX_FORCED, PAIRS_PER_GROUP, SelectConfig,
+                            mass_row_tokens, n_query_tiles)
 from ..utils.csr import group_pairs
 from ..utils.geometry import cdiv, compute_dtype, forced_leaves_tensor
 
@@ -97,25 +98,41 @@ def _exact_leaf_scores(qs, k_blocks, cand, scorer, tok_ok, tile_reduce):
     ``tok_ok [Tc, Qt]`` (which tokens are queries). Returns ``[B, Tc, H, M]`` with -inf where
     ``cand < 0``. Pairs are grouped by leaf so each group of tiles shares one read of the leaf's
     keys: one product of the group's ``tiles · Qt · G`` query rows with its ``C`` keys.
+    ``tile_reduce="mass"``: ``qs`` holds the tile's mass rows (``_mass_rows``) and a leaf scores
+    the sum of their softmax shares among the tile's candidates (``mass_fold``).
     """
     B, Tc, H, Qt, G, D = qs.shape
     N = k_blocks.shape[0] // (B * H)
-    out = torch.full(cand.shape, -math.inf, dtype=qs.dtype, device=qs.device)
+    mass = tile_reduce == "mass"
+    out = torch.full(cand.shape + ((Qt, G) if mass else ()), -math.inf, dtype=qs.dtype,
+                     device=qs.device)
     b, t, h, m = torch.nonzero(cand >= 0, as_tuple=True)
-    if b.numel() == 0:
-        return out
-    size = max(1, PAIRS_PER_GROUP // Qt)  # tiles per group: about PAIRS_PER_GROUP tokens
-    pg = group_pairs((b * H + h) * N + cand[b, t, h, m].long(), B * H * N, size)
-    rows = Qt * G
-    q_rows = torch.cat([qs.reshape(-1, rows, D), qs.new_zeros(1, rows, D)])  # last: empty slot
-    qbuf = q_rows[pg.layout((b * Tc + t) * H + h, q_rows.shape[0] - 1)]
-    z = torch.bmm(qbuf.view(pg.n_groups, size * rows, D), k_blocks[pg.block].transpose(1, 2))
-    z = z.view(pg.n_groups, size, Qt, G, -1)
-    score = group_score(z, torch.ones_like(z[..., :1, :]), scorer, unit_weight=True)
-    o = pg.order
-    out[b[o], t[o], h[o], m[o]] = reduce_tokens(score[pg.group, pg.slot], tok_ok[t[o]],
-                                                tile_reduce)
-    return out
+    if b.numel():
+        size = max(1, PAIRS_PER_GROUP // Qt)  # tiles per group: about PAIRS_PER_GROUP tokens
+        pg = group_pairs((b * H + h) * N + cand[b, t, h, m].long(), B * H * N, size)
+        rows = Qt * G
+        q_rows = torch.cat([qs.reshape(-1, rows, D), qs.new_zeros(1, rows, D)])  # last: empty
+        qbuf = q_rows[pg.layout((b * Tc + t) * H + h, q_rows.shape[0] - 1)]
+        z = torch.bmm(qbuf.view(pg.n_groups, size * rows, D), k_blocks[pg.block].transpose(1, 2))
+        z = z.view(pg.n_groups, size, Qt, G, -1)
+        o = pg.order
+        if mass:
+            out[b[o], t[o], h[o], m[o]] = _logsumexp(z)[pg.group, pg.slot]
+        else:
+            score = group_score(z, torch.ones_like(z[..., :1, :]), scorer, unit_weight=True)
+            out[b[o], t[o], h[o], m[o]] = reduce_tokens(score[pg.group, pg.slot], tok_ok[t[o]],
+                                                        tile_reduce)
+    return mass_fold(out, tok_ok) if mass else out
+
+
+def mass_fold(lse: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
+    """``tile_reduce="mass"`` scores ``[B, Tc, H, M]`` from the per-row LSE of each candidate
+    ``lse [B, Tc, H, M, R, G]`` (-inf: no candidate): per row (``row_ok [Tc, R]`` the real ones)
+    its softmax share of each candidate among the tile's, summed over the rows; -inf where there
+    is no candidate."""
+    share = torch.exp(lse - torch.logsumexp(lse, 3, keepdim=True)).nan_to_num_(0.0)
+    score = (share * row_ok[:, None, None, :, None]).sum((-1, -2))
+    return torch.where(torch.isfinite(lse[..., 0, 0]), score, -math.inf)
 
 
 def _top(score: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,11 +283,30 @@ def _tile_queries(q: torch.Tensor, n_keys: int, H: int, cfg: SelectConfig, first
     qs = rows.view(B, last - first, Qt, H, HQ // H, D).permute(0, 1, 3, 2, 4, 5) * cfg.scale
     tok_ok = ((pos >= t0) & (pos < n_keys)).view(last - first, Qt)
     t_ref = pos.clamp_max(n_keys - 1).view(last - first, Qt)[:, -1]
-    if cfg.tile_reduce == "qmean":  # one virtual token a tile: the mean of its real queries
-        n_tok = tok_ok.sum(-1).to(qs.dtype)[None, :, None, None, None, None]
-        qs = qs.sum(3, keepdim=True) / n_tok  # positions that are no query hold zeros
-        tok_ok = tok_ok.any(-1, keepdim=True)
     return qs, tok_ok, t_ref
+
+
+def _mean_tiles(qs: torch.Tensor, tok_ok: torch.Tensor):
+    """Tiles ``qs [B, Tc, H, Qt, G, D]`` (zero rows where ``tok_ok [Tc, Qt]`` is False) as one
+    virtual token each, the per-head mean of their real queries: ``[B, Tc, H, 1, G, D]``,
+    ``[Tc, 1]``."""
+    n_tok = tok_ok.sum(-1).to(qs.dtype)[None, :, None, None, None, None]
+    return qs.sum(3, keepdim=True) / n_tok, tok_ok.any(-1, keepdim=True)
+
+
+def _mass_rows(qs: torch.Tensor, tok_ok: torch.Tensor):
+    """The tokens of tiles ``qs [B, Tc, H, Qt, G, D]`` whose rows a ``tile_reduce="mass"`` tile
+    scores with (``config.mass_tokens`` of its real tokens, which ``tok_ok [Tc, Qt]`` marks and
+    which are contiguous): ``[B, Tc, H, R, G, D]`` and which of the ``R`` are real ``[Tc, R]``."""
+    Qt = qs.shape[3]
+    R = mass_row_tokens(Qt, qs.shape[4])
+    n_real = tok_ok.sum(-1, keepdim=True)                                   # [Tc, 1]
+    first = tok_ok.int().argmax(-1, keepdim=True)                            # [Tc, 1]
+    n = n_real.clamp_max(R)
+    j = torch.arange(R, device=qs.device)
+    off = (first + j * n_real // n.clamp_min(1)).clamp_max(Qt - 1)          # [Tc, R]
+    idx = off[None, :, None, :, None, None].expand(*qs.shape[:3], R, *qs.shape[4:])
+    return qs.gather(3, idx), j < n
 
 
 def _select(q, k, cfg, pyramid, blk0):
@@ -302,6 +338,11 @@ def _select(q, k, cfg, pyramid, blk0):
     for s in range(0, n_tiles, chunk):
         e = min(n_tiles, s + chunk)
         qs, tok_ok, t_ref = _tile_queries(q, Tk, H, cfg, first + s, first + e)
+        leaf_qs, leaf_ok = qs, tok_ok
+        if cfg.tile_reduce in ("qmean", "mass"):  # the walk's virtual token: the mean query
+            qs, tok_ok = _mean_tiles(qs, tok_ok)
+            leaf_qs, leaf_ok = _mass_rows(leaf_qs, leaf_ok) if cfg.tile_reduce == "mass" \
+                else (qs, tok_ok)
         sink = has_q = None
         if blk0 is not None:  # a block without queries reads as its sequence's first
             sink = blk0[t_ref // C].long()
@@ -317,7 +358,7 @@ def _select(q, k, cfg, pyramid, blk0):
             if cfg.leaf_scorer == "mean":
                 score = flat_mean_scores(qs, leaf_means, cand, tok_ok, cfg.tile_reduce)
             else:
-                score = _exact_leaf_scores(qs, k_blocks, cand, cfg.leaf_scorer, tok_ok,
+                score = _exact_leaf_scores(leaf_qs, k_blocks, cand, cfg.leaf_scorer, leaf_ok,
                                            cfg.tile_reduce)
         else:
             n_end = (min((first + e) * Qt, Tk) - 1) // C + 1  # t_ref[-1]'s block, no sync

@@ -60,20 +60,21 @@ import triton
 import triton.language as tl
 
 from ..pyramid import Pyramid
-from ..utils.config import SelectConfig, n_query_tiles
+from ..utils.config import SelectConfig, mass_row_tokens, n_query_tiles
 from ..utils.csr import sort_by_key
 from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.launch import SelectLaunch
-from ..utils.op import (KEY_NONE, LN2_K, LOG2E_K, device_offsets, dot_nt, empty, pack,
-                        selection_row, store_selection, unpack_idx)
+from ..utils.op import (KEY_NONE, LN2_K, LOG2E_K, device_offsets, dot_nt, empty, key_scores,
+                        pack, selection_row, store_selection, unpack_idx)
 from ..utils.triton_utils import (F32_PREC, SELECT_STAGE_SMEM, SLOT_NONE,
                                   pick_of, strides_of)
-from ..utils.walk_triton import candidates, forced_parents, leaf_keys, leaf_tile_scores
+from ..utils.walk_triton import (candidates, forced_parents, key_logits, leaf_keys,
+                                 leaf_tile_scores)
 
 SCORER_ID = {"lse": 0, "mean": 1, "meanvar": 2}
 # Tile reductions in the kernels: a sum or a log-sum-exp over the tile's tokens ("qmean" tiles
 # hold one virtual token, so their reduction is the sum of one).
-REDUCE_ID = {"sum": 0, "lse": 1, "qmean": 0}
+REDUCE_ID = {"sum": 0, "lse": 1, "qmean": 0, "mass": 0}
 # Query rows the walk scores in one product: a tile with more (Qt * G > 64, sum / lse) is scored
 # in chunks of whole tokens, each level's [candidates, rows] fp32 tiles staying ~32 registers a
 # thread at 4 warps.
@@ -737,6 +738,77 @@ def _leaf_topk_kernel(
                     PICK.SLOTS)
 
 
+@triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_par", "s_ib", "s_cb"])
+def _leaf_mass_kernel(
+        p_q, p_k, p_key, p_idx, p_cnt, Tq, Tk, n_tiles, tile0, n_par, scale,
+        s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_ib: tl.int64, s_i, s_cb: tl.int64, s_ct,
+        NT: tl.constexpr, CP: tl.constexpr, TOP_P: tl.constexpr, ROWS: tl.constexpr,
+        TREE: tl.constexpr, PICK: tl.constexpr):
+    """``tile_reduce="mass"``: tile ``i_t`` ranks the free children of its ``PAR_SLOTS`` parent
+    slots (``p_key``, from the walk) by the sum over its rows of each row's softmax share of a leaf
+    among them, and writes its row. The rows are ``NT`` tokens (``mass_tokens`` of its real ones)
+    times ``GP`` heads: one ``[NT * GP, BRANCH_P * CP]`` product a parent, the rows' exact leaf
+    LSEs kept in registers ``[NT * GP, PAR_SLOTS_P, BRANCH_P]`` until every parent is scored.
+
+    A program reads its own parents' keys (``(W2 + 3) * g * C`` keys, from L2 for neighbouring
+    tiles), not a group's: the shares need every candidate of the row before any sum."""
+    C: tl.constexpr = TREE.C
+    BRANCH: tl.constexpr = TREE.BRANCH
+    BRANCH_P: tl.constexpr = TREE.BRANCH_P
+    PAR_SLOTS: tl.constexpr = TREE.PAR_SLOTS
+    PAR_SLOTS_P: tl.constexpr = TREE.PAR_SLOTS_P
+    GP: tl.constexpr = ROWS.GP
+    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    HKV = tl.num_programs(1)
+    pos, cur, q_lo, q_hi = tile_span(i_t, tile0, Tq, Tk, ROWS.QT, C)
+    # rows: token q_lo + j * n_real // n of the n <= NT spread over the tile's real ones
+    n_real = q_hi - q_lo
+    n = tl.minimum(n_real, NT)
+    o_m = tl.arange(0, NT * GP)
+    o_j = o_m // GP
+    o_mh = o_m % GP
+    m_row = (o_j < n) & (o_mh < ROWS.G)
+    s_qt, s_qh = s_q
+    p_qh = p_q + i_b.to(tl.int64) * s_qb + (i_h * ROWS.G) * s_qh
+    b_q, _ = rows_at(p_qh, s_q, q_lo + o_j * n_real // tl.maximum(n, 1), o_mh, m_row, ROWS.D,
+                     ROWS.DP, 0)  # [NT * GP, DP]
+    s_kt, s_kh = s_k
+    p_kh = p_k + i_b.to(tl.int64) * s_kb + i_h * s_kh
+    p_row = p_key + ((i_b * n_tiles + i_t) * HKV + i_h).to(tl.int64) * PAR_SLOTS
+    o_s = tl.arange(0, PAR_SLOTS_P)
+    o_c = tl.arange(0, BRANCH_P)
+    o_cp = tl.arange(0, CP)
+    b_lse = tl.full([NT * GP, PAR_SLOTS_P, BRANCH_P], float("-inf"), dtype=tl.float32)
+    for i_s in range(0, PAR_SLOTS):
+        key = tl.load(p_row + i_s)
+        if key != SLOT_NONE:
+            o_leaf = (key % n_par).to(tl.int32) * BRANCH + o_c
+            m_leaf = (o_c < BRANCH) & (o_leaf >= 1) & (o_leaf <= cur - 2)
+            b_k = leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C, CP, ROWS.DP, ROWS.D)
+            b_z = tl.reshape(key_logits(b_q, b_q, b_k, False) * scale, [NT * GP, BRANCH_P, CP])
+            b_s = key_scores(b_z, (o_cp < C)[None, None, :], C, 0)  # [rows, BRANCH_P] LSE
+            b_s = tl.where(m_leaf[None, :], b_s, float("-inf"))
+            b_lse = tl.where((o_s == i_s)[None, :, None], b_s[:, None, :], b_lse)
+    # per row: its share of each candidate (exp(lse - logsumexp over the candidates)), summed
+    b_max = tl.max(tl.max(b_lse, axis=2), axis=1)
+    b_sh = tl.where(b_max == float("-inf"), 0., b_max)
+    b_p = tl.exp(b_lse - b_sh[:, None, None])
+    b_norm = tl.sum(tl.sum(b_p, axis=2), axis=1)
+    b_p = tl.where(m_row[:, None, None], b_p / tl.maximum(b_norm, 1e-30)[:, None, None], 0.)
+    b_score = tl.sum(b_p, axis=0)  # [PAR_SLOTS_P, BRANCH_P]
+    b_key = tl.load(p_row + o_s, mask=o_s < PAR_SLOTS, other=SLOT_NONE)
+    o_leaf = (b_key % n_par).to(tl.int32)[:, None] * BRANCH + o_c[None, :]
+    m_free = (b_key != SLOT_NONE)[:, None] & (o_c < BRANCH)[None, :] & (o_leaf >= 1) \
+        & (o_leaf <= cur - 2)
+    b_x = tl.where(m_free, pack(b_score, o_leaf), KEY_NONE)
+    b_top = tl.topk(tl.reshape(b_x, [1, PAR_SLOTS_P * BRANCH_P]), TOP_P)  # [1, TOP_P]
+    cur1 = tl.full([1], 0, tl.int32) + cur
+    b_out, count = selection_row(cur1, b_top, cur1 * 0, PICK.TOPK, PICK.IN_BUDGET, PICK.SLOTS_P)
+    s_it, s_ih = s_i
+    store_selection(p_idx, p_cnt, i_b, i_h, i_t, cur1 >= 0, b_out, count, s_ib, s_it, s_ih,
+                    s_cb, s_ct, PICK.SLOTS)
+
+
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
@@ -832,7 +904,10 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
     G, C, branching, Qt = HQ // HKV, cfg.block_size, cfg.branching, cfg.query_tile
     n_tiles, tile0 = block_idx.shape[1], (Tk - Tq) // Qt
     bound = cfg.scorer == "bound"
-    mean = Qt > 1 and cfg.tile_reduce == "qmean"
+    mass = cfg.tile_reduce == "mass"
+    if mass and blk0 is not None:
+        raise ValueError("tile_reduce='mass' does not support packed sequences yet")
+    mean = Qt > 1 and cfg.tile_reduce in ("qmean", "mass")  # mass walks by the mean query
     # query tokens a tile's rows hold: one for tokens and qmean tiles (their mean query)
     row_tokens = 1 if mean else Qt
     reduce_id = REDUCE_ID[cfg.tile_reduce] if row_tokens > 1 else 0
@@ -879,6 +954,16 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
         *strides_of(q), *strides_of(rows), *strides_of(summaries), walk_rows, tree, score, varlen,
         num_warps=launch.walk_warps, num_stages=stages)
 
+    top_p = min(tree.PAR_SLOTS_P * BRANCH_P, pow2(cfg.topk))
+    if mass:
+        GP = max(pow2(G), cdiv(16, mass_row_tokens(Qt, G)))
+        rows_of = Rows(Qt, G, GP, 1, 1, D, DP, 0, False, 0)
+        _leaf_mass_kernel[(n_tiles, HKV, B)](
+            q, k, keys, block_idx, counts, Tq, Tk, n_tiles, tile0, n_par, cfg.scale,
+            *strides_of(q), *strides_of(k), *strides_of(block_idx), counts.stride(0),
+            counts.stride(1), mass_row_tokens(Qt, G), max(C, cdiv(16, BRANCH_P)), top_p,
+            rows_of, tree, pick_of(cfg), num_warps=launch.topk_warps)
+        return
     pairs, start = sort_by_key(keys.view(-1), n_keys)  # group i: pairs[start[i]:start[i + 1]]
     scores = torch.empty(keys.numel(), BRANCH_P, dtype=torch.float32, device=q.device)
     # Default: 128 query rows a dot, fewer when the [rows, g * C] fp32 accumulator would pass 16K
@@ -905,7 +990,7 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
     _leaf_topk_kernel[(cdiv(n_tiles, BT), HKV, B)](
         keys, scores, block_idx, counts, blk0, Tq, Tk, n_tiles, tile0, n_par,
         *strides_of(block_idx), counts.stride(0), counts.stride(1),
-        BT, Qt, min(tree.PAR_SLOTS_P * BRANCH_P, pow2(cfg.topk)), tree, pick_of(cfg), varlen,
+        BT, Qt, top_p, tree, pick_of(cfg), varlen,
         num_warps=launch.topk_warps)
 
 

@@ -24,7 +24,14 @@ BACKENDS = ("auto", "torch", "triton", "naive")
 # log-sum-exp of their per-token group scores, or ("qmean") the group score of the tile's per-head
 # mean query over its real tokens (one row per head instead of ``query_tile``: that many times
 # fewer products; equal to "sum" for the mean scorer, up to the factor of the token count).
-TILE_REDUCES = ("sum", "lse", "qmean")
+# "mass" (selection v3, docs/selection_v3.md): the walk ranks by the mean query as "qmean"
+# does; the leaf stage sums, over up to ``MASS_ROWS`` query rows of the tile's own tokens
+# (``mass_tokens``), each row's softmax share of a candidate among the tile's free candidates:
+# a shared pick that weighs every token's sharp blocks, not their mean's.
+TILE_REDUCES = ("sum", "lse", "qmean", "mass")
+# Query rows a "mass" tile scores its candidates with: tokens x heads (G padded to a power of two)
+# fill one 64-row tensor-core product (G = 16: 4 tokens of a 16-token tile; G = 7: 8; G <= 4: all).
+MASS_ROWS = 64
 # Forced leaves per query: the sink (first block), the previous block and the current block.
 MAX_FORCED = 3
 # Below this key length `selector="auto"` uses the flat exact-LSE scan; from it up, the pyramid.
@@ -233,6 +240,11 @@ def check_knobs(*, block_size: int = SelectConfig.block_size, topk: int = Select
                              f"(a tile lies inside one leaf block) or None, got {query_tile!r}")
     if tile_reduce not in TILE_REDUCES:
         raise ValueError(f"tile_reduce must be one of {TILE_REDUCES}, got {tile_reduce!r}")
+    if tile_reduce == "mass" and (selector not in ("pyramid", "auto")
+                                  or scorer not in ("lse", "bound")):
+        raise ValueError("tile_reduce='mass' ranks the pyramid walk's candidate leaves by their "
+                         "exact LSE: it needs selector='pyramid' (or 'auto') and scorer='lse' or "
+                         f"'bound', got selector={selector!r}, scorer={scorer!r}")
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
         raise TypeError(f"scale must be a real number or None, got {scale!r} "
                         f"({type(scale).__name__})")
@@ -310,8 +322,9 @@ def config_of(head_dim: int, n_keys: int, *, scale: float | None = None,
         beam, beam_leaf = grown_beams(cfg.beam, cfg.beam_leaf, n_keys, beam_ref_len,
                                       cfg.block_size, cfg.branching)
         cfg = replace(cfg, beam=beam, beam_leaf=beam_leaf)
-    if cfg.selector == "auto":
-        cfg = replace(cfg, selector="flat_lse" if n_keys < AUTO_CROSSOVER_T else "pyramid")
+    if cfg.selector == "auto":  # "mass" ranks the walk's candidates: the pyramid at any length
+        flat = n_keys < AUTO_CROSSOVER_T and cfg.tile_reduce != "mass"
+        cfg = replace(cfg, selector="flat_lse" if flat else "pyramid")
     return cfg
 
 
@@ -424,3 +437,17 @@ def check_block_idx_values(block_idx: torch.Tensor, n_keys: int, block_size: int
         f"without duplicates, each in [0, {n_blocks}) and causal ({who} at key position "
         f"{pos}, so ids <= {pos // block_size} with block_size={block_size}), then -1 padding "
         f"only at the end")
+
+
+def mass_tokens(n_real: int, query_tile: int, group: int) -> list[int]:
+    """The offsets, among a tile's ``n_real`` real tokens, whose rows a ``tile_reduce="mass"``
+    tile scores its candidates with: ``n = min(n_real, mass_row_tokens(query_tile, group))``
+    tokens spread evenly from the first (``j * n_real // n``)."""
+    n = min(n_real, mass_row_tokens(query_tile, group))
+    return [j * n_real // n for j in range(n)]
+
+
+def mass_row_tokens(query_tile: int, group: int) -> int:
+    """Tokens a full ``tile_reduce="mass"`` tile scores with: ``MASS_ROWS`` rows of
+    ``next_pow2(group)`` heads, at most the tile."""
+    return min(query_tile, max(1, MASS_ROWS // (1 << (group - 1).bit_length())))
