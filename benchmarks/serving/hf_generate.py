@@ -51,6 +51,7 @@ import inspect
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,7 +62,8 @@ import torch  # noqa: E402
 import pisa.integrations.hf as pisa_hf  # noqa: E402
 from pisa.eval.model import random_model  # noqa: E402
 
-ARMS = ("pisa_cache", "pisa_cache_loop", "pisa_cache_graph", "pisa_dynamic", "sdpa")
+# the graph arm last: a capture that fails (an op that syncs) ends only its own rows
+ARMS = ("pisa_cache", "pisa_cache_loop", "pisa_dynamic", "sdpa", "pisa_cache_graph")
 PROFILE_STEPS = 3
 
 
@@ -283,6 +285,14 @@ def shape_cols(model, arm: str, dtype: str) -> dict:
     return cols
 
 
+def failure(e: Exception) -> str:
+    """An exception for a result row (and stderr): its type, message and the innermost frames,
+    which name the op when a CUDA-graph capture meets a host sync."""
+    text = traceback.format_exc()
+    print(text, file=sys.stderr, flush=True)
+    return f"{type(e).__name__}: {str(e)[:300]} | {text[-1200:]}"
+
+
 def note_row(op: str, arm: str, T: int, model, dtype: str, **extra) -> dict:
     """A row of the schema without a time: a skipped or failed run, or a profile's counts."""
     backend = "sdpa" if arm == "sdpa" else "pisa"
@@ -304,16 +314,17 @@ def profile_counts(prof, steps: int) -> dict:
     return out
 
 
-def profile_tables(prof, title: str, cuda: bool) -> str:
-    text = [f"== {title}: top 40 by self CPU time ==",
-            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
-    if cuda:
-        text += [f"== {title}: top 20 by self device time ==",
-                 prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)]
-    return "\n".join(text)
+def profile_tables(prof, title: str) -> str:
+    """The two tables of a profile: top 40 by self CPU time, top 20 by self device time (all
+    zero on the CPU)."""
+    averages = prof.key_averages()
+    return "\n".join([f"== {title}: top 40 by self CPU time ==",
+                      averages.table(sort_by="self_cpu_time_total", row_limit=40),
+                      f"== {title}: top 20 by self device time ==",
+                      averages.table(sort_by="self_device_time_total", row_limit=20)])
 
 
-def run_profile(model, ids, args, device: str, out_stem: Path | None) -> list[tuple]:
+def run_profile(model, ids, device: str, out_stem: Path | None) -> list[tuple]:
     """``torch.profiler`` over ``PROFILE_STEPS`` decode steps of ``generate`` over a
     ``PisaHFCache`` and of the eager loop; returns ``(title, counts)`` pairs and writes the
     tables (and traces) next to the JSON."""
@@ -341,7 +352,7 @@ def run_profile(model, ids, args, device: str, out_stem: Path | None) -> list[tu
                     prof.stop()
             run_loop(model, ids, PROFILE_STEPS + 1, device, False, 0, hook)
         texts.append(profile_tables(prof, f"{title}, {PROFILE_STEPS} decode steps, "
-                                          f"T={ids.shape[1]}", cuda))
+                                          f"T={ids.shape[1]}"))
         results.append((name, profile_counts(prof, PROFILE_STEPS)))
         if out_stem is not None:
             prof.export_chrome_trace(f"{out_stem}_trace_{name}.json.gz")
@@ -417,7 +428,7 @@ def main(argv=None) -> None:
                   model=dict(layers=args.layers, hidden=args.hidden, heads=args.heads,
                              kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
                              intermediate=2 * args.hidden),
-                  new_tokens=args.new_tokens, arms=arms,
+                  new_tokens=args.new_tokens, arms=list(arms),
                   timing="perf_counter after a device sync, after every new token")
     model = build_model(args, device, dtype)
     calls = Calls()
@@ -427,10 +438,16 @@ def main(argv=None) -> None:
 
     warm = prompt_ids(min(args.warmup_len, min(args.lengths)), args.vocab, args.seed, device)
     with torch.no_grad():
-        for arm in arms if args.warmup_len > 0 else ():
+        for arm in list(arms) if args.warmup_len > 0 else ():
             set_arm(model, arm)
             t = time.perf_counter()
-            run_arm(model, warm, arm, args, device)
+            try:
+                run_arm(model, warm, arm, args, device)
+            except Exception as e:  # the arm is dropped, the others run
+                res.add(note_row("failed", arm, warm.shape[1], model, dtype_name,
+                                 error=failure(e), phase="warm-up"))
+                arms.remove(arm)
+                continue
             print(f"[hf_generate] warm-up {arm}: {time.perf_counter() - t:.1f} s",
                   file=sys.stderr, flush=True)
         calls.take()
@@ -451,8 +468,7 @@ def main(argv=None) -> None:
                 try:
                     run = run_arm(model, ids, arm, args, device)
                 except Exception as e:  # one arm's failure (a capture, memory) ends only it
-                    res.add(note_row("failed", arm, T, model, dtype_name,
-                                     error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    res.add(note_row("failed", arm, T, model, dtype_name, error=failure(e)))
                     res.save()
                     continue
                 counts = calls.take()
@@ -475,11 +491,16 @@ def main(argv=None) -> None:
                 if args.profile and not profiled and arm == "pisa_cache" \
                         and T == max(args.lengths):
                     stem = Path(args.json).with_suffix("") if args.json else None
-                    for name, per_step in run_profile(model, ids, args, device, stem):
-                        res.add(note_row("profile", f"pisa_cache_{name}", T, model, dtype_name,
-                                         steps=PROFILE_STEPS, per_step=per_step))
-                    calls.take()
                     profiled = True
+                    try:
+                        for name, per_step in run_profile(model, ids, device, stem):
+                            res.add(note_row("profile", f"pisa_cache_{name}", T, model,
+                                             dtype_name, steps=PROFILE_STEPS,
+                                             per_step=per_step))
+                    except Exception as e:
+                        res.add(note_row("failed", "pisa_cache", T, model, dtype_name,
+                                         error=failure(e), phase="profile"))
+                    calls.take()
                     res.save()
     res.meta["elapsed_s"] = round(time.perf_counter() - start, 1)
     res.save()
