@@ -4,6 +4,11 @@ tensors with the Triton launches replaced by Triton's own argument binder and ca
 before the launch itself. Shape: B=1, HQ=64, HKV=4, D=128, C=64, bf16, a 64K-key PisaCache,
 topk=16 (config A).
 
+``--hf``: one layer's step of transformers' decode over a ``PisaHFCache`` instead (the cache's
+``update``, which appends the token with its key bounds, then ``pisa_attention_forward``; a
+Llama attention of 32 query / 4 KV heads of 64, the integration's default knobs, a 128K-key
+cache): the pisa side of a ``generate`` step, per layer (needs transformers).
+
 CPU time of the thread (``time.thread_time``: the box is shared), best of 15 rounds.
 Run from a tree's root: ``PYTHONPATH=$PWD python3 benchmarks/decode/decode_host.py [--profile]``; works on
 trees before the decode refactor too (it only reaches ``pisa.ops.decode.triton``'s two kernels).
@@ -62,8 +67,12 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=65536)
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--hf", action="store_true",
+                    help="a PisaHFCache layer step (update + attention), 128K keys")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.hf:
+        return _hf(args)
     B, HQ, HKV, D = 1, 64, 4, 128
     cache = pisa.PisaCache(B, args.seqlen, HKV, D, block_size=64, dtype=torch.bfloat16)
     cache.cache_seqlens.fill_(args.seqlen - 1)
@@ -95,6 +104,42 @@ def main() -> None:
         import pstats
         cProfile.runctx("for _ in range(300): step()", globals(), locals(), "/tmp/decode_host.prof")
         pstats.Stats("/tmp/decode_host.prof").sort_stats("cumtime").print_stats(25)
+
+
+def _hf(args) -> None:
+    """One decode step of one layer through ``pisa.integrations.hf`` (the ``--hf`` mode)."""
+    torch.set_num_threads(1)  # the append's small CPU ops: no pool hand-offs
+    import pisa.integrations.hf as hf
+    from pisa.eval.model import random_model
+
+    for name in ("_decode_kernel", "_combine_kernel"):
+        setattr(dec, name, _Binder(getattr(dec, name)))
+    pisa.api.resolve_backend = lambda backend, q: "triton"
+    model = random_model("llama", vocab_size=64, num_layers=1, hidden_size=64, num_heads=32,
+                         num_kv_heads=4, head_dim=64)
+    attn = model.model.layers[0].self_attn
+    T = 131072
+    layer = hf.PisaCacheLayer(T + 64, bounds=True)  # the bound scorer's cache, as PisaHFCache's
+    k = torch.randn(1, 4, 1, 64, dtype=torch.bfloat16)
+    q = torch.randn(1, 32, 1, 64, dtype=torch.bfloat16)
+    layer.lazy_initialization(k, k)
+    layer.pisa.cache_seqlens.fill_(T - 100)
+    layer.length = T - 100
+
+    def step():  # the length is put back after each step, so every step appends at one place
+        kwargs = {}
+        keys, values = layer.update(k, k, kwargs=kwargs)
+        hf.pisa_attention_forward(attn, q, keys, values, None, scaling=0.125, **kwargs)
+        layer.length -= 1
+        layer.pisa.cache_seqlens.sub_(1)
+
+    print(f"tree {os.getcwd()}  PisaHFCache layer step at {T} keys")
+    print(f"  update + attention, launch stubbed by the binder: {_time(step, 30):7.1f} us")
+    if args.profile:
+        import cProfile
+        import pstats
+        cProfile.runctx("for _ in range(200): step()", globals(), locals(), "/tmp/decode_host.prof")
+        pstats.Stats("/tmp/decode_host.prof").sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

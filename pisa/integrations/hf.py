@@ -47,6 +47,8 @@ from ..ops.utils.config import BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig, res
 from ..ops.utils.varlen import RowGather, inverse_rows
 
 NAME = "pisa"
+# The attribute on the keys PisaCacheLayer.update returns that names their pisa.PisaCache.
+_CACHE_ATTR = "_pisa_cache"
 # PISA knobs read from the model config as ``config.pisa_<name>`` (e.g. ``config.pisa_topk``).
 PISA_DEFAULTS = {"block_size": SelectConfig.block_size, "topk": SelectConfig.topk,
                  "branching": SelectConfig.branching, "beam": None, "beam_leaf": BEAM_LEAF,
@@ -147,8 +149,9 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
             here and is refused.
         scaling: softmax scale, default ``headdim ** -0.5``.
         dropout: must be 0 (attention dropout is not implemented).
-        kwargs: ``pisa_cache`` (a ``pisa.PisaCache``, put there by ``PisaHFCache.update``) routes
-            the call through ``pisa_attn_with_kvcache``; ``cu_seq_lens_q / _k`` with
+        kwargs: ``pisa_cache`` (a ``pisa.PisaCache``, put there by ``PisaHFCache.update``, or
+            found on ``key`` when transformers does not hand the attention's kwargs to the
+            cache) routes the call through ``pisa_attn_with_kvcache``; ``cu_seq_lens_q / _k`` with
             ``max_length_q / _k`` (all four) mark a flattened batch (``pisa_attn_varlen``), as do
             ``position_ids`` restarting inside a row (read as transformers' flash attention
             does, one host sync a forward, when no mask told the sequences); the rest is ignored.
@@ -170,6 +173,8 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                          "bidirectional or sliding-window layers")
     knobs = pisa_knobs(module.config)
     cache = kwargs.get("pisa_cache")
+    if cache is None:  # transformers that do not pass the attention's kwargs to the cache
+        cache = getattr(key, _CACHE_ATTR, None)
     if packed is not None:
         if cache is not None:
             raise ValueError("attn_implementation='pisa' does not support padded or packed "
@@ -302,8 +307,9 @@ class PisaCacheLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states, value_states [B, HKV, L, D]`` (keys and pyramid, in place) and
         return views of all held keys and values ``[B, HKV, length, D]``. The attention's keyword
-        arguments (``kwargs=`` of the transformers >= 5 attention modules) get ``pisa_cache`` so
-        that ``pisa_attention_forward`` attends through the cache."""
+        arguments (``kwargs=``, which transformers 5.24's attention modules pass) get
+        ``pisa_cache``, and the returned keys carry it too (releases such as 5.17 pass no
+        ``kwargs=``), so that ``pisa_attention_forward`` attends through the cache."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
@@ -315,8 +321,13 @@ class PisaCacheLayer(CacheLayerMixin):
         attention_kwargs = kwargs.get("kwargs")
         if isinstance(attention_kwargs, dict):
             attention_kwargs["pisa_cache"] = self.pisa
-        return (self.pisa.k_cache[:, :self.length].transpose(1, 2),
-                self.pisa.v_cache[:, :self.length].transpose(1, 2))
+        keys = self.pisa.k_cache[:, :self.length].transpose(1, 2)
+        # transformers releases whose attention modules call update(k, v, layer_idx) without their
+        # keyword arguments (5.17 among them) hand these very views to the attention function,
+        # which finds the cache on them (``_CACHE_ATTR``); without it every step would re-select
+        # over the views through pisa_attn, O(N), on top of the cache's own upkeep
+        setattr(keys, _CACHE_ATTR, self.pisa)
+        return keys, self.pisa.v_cache[:, :self.length].transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0

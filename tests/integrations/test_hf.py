@@ -113,6 +113,31 @@ def test_generate_runs_pisa_in_prefill_and_every_decode_step_past_k_blocks(rng, 
     torch.testing.assert_close(logits[:, :fit], torch.stack(ref.logits, 1), rtol=1e-4, atol=1e-5)
 
 
+def test_pisa_cache_decodes_through_the_cache_when_update_gets_no_attention_kwargs(
+        rng, monkeypatch):
+    """transformers 5.17's attention modules call ``cache.update(k, v, layer_idx)`` without their
+    keyword arguments, so no ``pisa_cache`` reaches the attention: it must find the cache on the
+    keys ``update`` returned, and not re-select over them with ``pisa_attn`` every step."""
+    _, sparse = _pair()
+    prompt, new = torch.randint(0, 128, (1, FITS + 5)), FITS
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+          "attention_mask": torch.ones_like(prompt)}
+    with torch.no_grad():
+        ref = sparse.generate(prompt, cache=pisa_hf.PisaHFCache(sparse.config, 2 * FITS + 8),
+                              **kw)
+        update = pisa_hf.PisaHFCache.update
+        monkeypatch.setattr(pisa_hf.PisaHFCache, "update",
+                            lambda self, k, v, layer_idx, *a, **kwargs: update(self, k, v,
+                                                                                 layer_idx))
+        calls = CountCalls(monkeypatch)
+        out = sparse.generate(prompt, cache=pisa_hf.PisaHFCache(sparse.config, 2 * FITS + 8),
+                              **kw)
+    layers = sparse.config.num_hidden_layers
+    assert calls.shapes == []
+    assert [tq for tq, _ in calls.cached] == [prompt.shape[1]] * layers + [1] * layers * (new - 1)
+    assert torch.equal(out, ref)
+
+
 def test_pisa_cache_refuses_overflow_and_mismatched_block_size(rng):
     _, sparse = _pair()
     ids = torch.randint(0, 128, (1, 20))

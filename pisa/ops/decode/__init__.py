@@ -9,6 +9,7 @@ The key bounds ``mins, maxs`` (``kvcache``: per node and channel, kept by a cach
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -36,13 +37,20 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     design (``docs/spec.md`` §11), so with ``query_tile > 1`` the step equals prefill's row of
     a per-token selection (``query_tile=1``), not of the tile-shared one."""
     if cfg.query_tile != 1 or cfg.tile_reduce != "sum":  # one token: any reduction
-        cfg = dataclasses.replace(cfg, query_tile=1, tile_reduce="sum")
+        cfg = _per_token(cfg)
     where = dict(mins=mins, maxs=maxs, block_table=block_table, cache_batch_idx=cache_batch_idx)
     if backend == "triton" and cfg.selector == "pyramid" and cfg.scorer in ("lse", "bound"):
         from .triton import decode_triton
         return decode_triton(q, k_cache, v_cache, sums, cache_seqlens, cfg, **where)
     from .torch_backend import decode_torch
     return decode_torch(q, k_cache, v_cache, sums, cache_seqlens, cfg, **where)
+
+
+@functools.lru_cache(maxsize=256)
+def _per_token(cfg: SelectConfig) -> SelectConfig:
+    """``cfg`` with ``query_tile=1, tile_reduce="sum"``, made once per config (a decode step is
+    host-bound, and the HF integration's configs ask for tiles)."""
+    return dataclasses.replace(cfg, query_tile=1, tile_reduce="sum")
 
 
 def prefill_with_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

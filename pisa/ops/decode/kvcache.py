@@ -280,7 +280,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     offsets = level_offsets(T, C, branching)
     if L == 0:
         return
-    pos = cache_seqlens.long()[:, None] + torch.arange(L, device=dev)  # [B, L]
+    pos = cache_seqlens.long()[:, None]  # [B, L]
+    if L > 1:
+        pos = pos + torch.arange(L, device=dev)
     slot = torch.arange(B, device=dev) if cache_batch_idx is None else cache_batch_idx.long()
     if dev.type == "cpu":
         bad = (cache_seqlens < 0) | (cache_seqlens > T - L)
@@ -309,12 +311,57 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     base = slot * N
     bounds = [] if mins is None else [(mins.view(S * N, H, D), "amin"),
                                       (maxs.view(S * N, H, D), "amax")]
+    n_levels = len(offsets) - 1
+    tables = None
+    if n_levels * B * L * H * D <= _ONE_PASS_ELEMS:
+        tables = _level_tables(offsets, C, branching, dev)
+    if tables is not None:
+        # every level at once: a decode step is host-bound, and a loop over the levels costs
+        # ~6 launches a level (index_add_, two scatter_reduce_, the rows' arithmetic). The rows
+        # of different levels are disjoint and each level's keys keep their order, so the sums
+        # are those of the loop below (bit for bit on CPU, and on CUDA when no two new keys share
+        # a node, as in a decode step)
+        start, span = tables
+        rows = (base + start + pos // span).reshape(-1)  # [n_levels * B * L], level-major
+        keys = keys.expand(n_levels, B * L, H, D).reshape(-1, H, D)
+        flat.index_add_(0, rows, keys)
+        for x, reduce in bounds:
+            x.scatter_reduce_(0, rows[:, None, None].expand(keys.shape), keys, reduce)
+        return
     for lvl in range(1, len(offsets)):
         span = C * branching ** (lvl - 1)  # keys under one node of this level
         rows = (base + offsets[lvl - 1] + pos // span).reshape(-1)
         flat.index_add_(0, rows, keys)
         for x, reduce in bounds:
             x.scatter_reduce_(0, rows[:, None, None].expand(B * L, H, D), keys, reduce)
+
+
+# ``write_kv`` updates every level in one pass while the new keys, repeated once a level, hold at
+# most this many elements (16 MB of fp32: a decode step's few keys, not a prefill's).
+_ONE_PASS_ELEMS = 1 << 22
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _level_tables(offsets: tuple[int, ...], block_size: int, branching: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each level's first row and key span ``[n_levels, 1, 1]`` int64 on ``device``, made once per
+    geometry and only read (a fresh host-to-device copy a step would sync). None while a CUDA
+    graph is being captured and they are not made yet: the copy cannot be captured (the caller
+    then loops over the levels)."""
+    key = (offsets, block_size, branching, device)
+    tables = _TABLES.get(key)
+    if tables is not None:
+        return tables
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    n = len(offsets) - 1
+    start = torch.tensor(offsets[:-1], dtype=torch.long, device=device).view(n, 1, 1)
+    span = torch.tensor([block_size * branching ** i for i in range(n)], dtype=torch.long,
+                        device=device).view(n, 1, 1)
+    if len(_TABLES) >= 256:  # geometries that come and go (tests): no unbounded growth
+        _TABLES.clear()
+    _TABLES[key] = (start, span)
+    return start, span
 
 
 def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:

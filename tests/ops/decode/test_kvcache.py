@@ -91,6 +91,34 @@ def test_write_kv_is_append_kv_without_the_checks(rng):
     assert not cache_b[3].any(), "neither advances the lengths"
 
 
+@pytest.mark.parametrize("L", [1, 5, 30])
+@pytest.mark.parametrize("slots", [False, True])
+def test_one_pass_over_the_levels_equals_the_loop_bit_for_bit(L, slots, rng, monkeypatch):
+    """Small appends (a decode step) update every level in one pass; the sums and the key bounds
+    are exactly the level-by-level loop's, new keys sharing a node (L > 1) included."""
+    import pisa.ops.decode.kvcache as kvcache
+    B, S, T, H, D, C, g = 2, 3, 203, 2, 4, 8, 2
+    results = []
+    for one_pass in (1 << 22, 0):
+        monkeypatch.setattr(kvcache, "_ONE_PASS_ELEMS", one_pass)
+        torch.manual_seed(rng)
+        k_cache, v_cache, sums, _ = _empty_cache(S, T, H, D, C, g, torch.float32)
+        mins, maxs = empty_bounds(sums)
+        lens = torch.tensor([17, 90], dtype=torch.int32)  # + 3 L < T
+        idx = torch.tensor([2, 0], dtype=torch.int32) if slots else None
+        if not slots:
+            k_cache, v_cache, sums, mins, maxs = (x[:B] for x in (k_cache, v_cache, sums, mins,
+                                                                  maxs))
+        for _ in range(3):
+            x, y = torch.randn(2, B, L, H, D)
+            write_kv(k_cache, v_cache, sums, x, y, lens, C, g, mins, maxs, cache_batch_idx=idx)
+            lens += L
+        results.append((k_cache, v_cache, sums, mins, maxs))
+    for a, b in zip(*results):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert torch.isfinite(results[0][3]).any() and results[0][2].abs().sum() > 0
+
+
 def test_node_counts_clamp_each_node_to_the_present_keys():
     offsets = level_offsets(40, 8, 2)  # levels of 5, 3, 2, 1 nodes
     assert node_counts(19, offsets, 8, 2).tolist() == [8, 8, 3, 0, 0, 16, 3, 0, 19, 0, 19]
