@@ -44,9 +44,12 @@ _SELECT_DOC = """
         the tokens at absolute positions ``[i * Qt, (i + 1) * Qt)`` share one selection per KV
         head. Default None: ``min(16, block_size)``. ``1`` is per-token selection (the most
         precise, several times slower: ``docs/selection_v2.md``).
-    tile_reduce: "qmean" (default) | "sum" | "lse". How a tile's tokens score a candidate
-        together: the score of their per-head mean query (one row per head: the cheap one), or
-        the sum or the log-sum-exp of their per-token scores (every query row scored).
+    tile_reduce: "qmean" (default) | "sum" | "lse" | "mass". How a tile's tokens score a
+        candidate together: the score of their per-head mean query (one row per head: the cheap
+        one), the sum or the log-sum-exp of their per-token scores (every query row scored), or
+        (``"mass"``, selection v3, ``docs/selection_v3.md``) a walk by the mean query whose
+        candidate leaves are ranked by the summed softmax share of up to 64 rows of the tile's
+        own tokens (pyramid selector, ``scorer`` "lse" or "bound", no packed sequences yet).
     selector: "pyramid" (default) | "flat_lse" | "flat_mean" | "auto". ``flat_lse`` scores every
         causal block by its exact LSE (the mass-optimal oracle, O(N^2)); ``flat_mean`` by the
         logit of its mean key (BSA/MoBA style); ``auto`` takes ``flat_lse`` below

@@ -20,8 +20,8 @@ from ..pyramid import Pyramid
 from ..utils.config import SelectConfig, n_query_tiles
 from ..utils.geometry import cdiv, pow2
 from ..utils.launch import FlatSelectLaunch
-from ..utils.op import (KEY_NONE, dot_nt_f32, empty, key_scores, pack, selection_row,
-                        store_selection, token_sums)
+from ..utils.op import (KEY_NONE, dot_nt_f32, empty, key_scores, pack, token_sums,
+                        write_selection)
 from ..utils.triton_utils import F32_PREC, pick_of, strides_of
 from ..utils.walk_triton import key_logits
 from .triton import (REDUCE_ID, SCORER_ID, mean_rows, rows_at, sequence_start, split_rows,
@@ -166,12 +166,8 @@ def _flat_select_kernel(
             b_new = tl.topk(b_key, TOP_P)
             b_top = tl.topk(tl.reshape(tl.join(b_top, b_new), [BT, 2 * TOP_P]), TOP_P)
 
-    b_row, count = selection_row(cur, b_top, s0, PICK.TOPK, PICK.IN_BUDGET, PICK.SLOTS_P)
-    b_row = tl.where(m_q[:, None], b_row, -1)
-    count = tl.where(m_q, count, 0)
-    s_it, s_ih = s_i
-    store_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, b_row, count, s_ib, s_it, s_ih, s_cb, s_ct,
-                    PICK.SLOTS)
+    write_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, m_q, cur, s0, b_top, s_ib, s_i, s_cb, s_ct,
+                    PICK)
 
 
 # ------------------------------------------------------------------------------------------------

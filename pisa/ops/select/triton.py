@@ -65,7 +65,7 @@ from ..utils.csr import sort_by_key
 from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.launch import SelectLaunch
 from ..utils.op import (KEY_NONE, LN2_K, LOG2E_K, device_offsets, dot_nt, empty, key_scores,
-                        pack, selection_row, store_selection, unpack_idx)
+                        pack, unpack_idx, write_selection)
 from ..utils.triton_utils import (F32_PREC, SELECT_STAGE_SMEM, SLOT_NONE,
                                   pick_of, strides_of)
 from ..utils.walk_triton import (candidates, forced_parents, key_logits, leaf_keys,
@@ -693,6 +693,18 @@ def _leaf_groups_kernel(
                      mask=m_r[:, None] & (o_c < TREE.BRANCH)[None, :])
 
 
+@triton.jit
+def slot_leaves(b_key, n_par, s0, cur, BRANCH: tl.constexpr, BRANCH_P: tl.constexpr):
+    """The leaves ``[BT, PAR_SLOTS_P, BRANCH_P]`` under the parent slots ``b_key [BT, PAR_SLOTS_P]``
+    (the walk's sort keys) and which are free for rows in blocks ``cur [BT]`` of sequences from
+    ``s0 [BT]``: real children in ``[s0 + 1, cur - 2]``."""
+    o_c = tl.arange(0, BRANCH_P)
+    o_leaf = (b_key % n_par).to(tl.int32)[:, :, None] * BRANCH + o_c[None, None, :]
+    m_free = (b_key != SLOT_NONE)[:, :, None] & (o_c < BRANCH)[None, None, :] \
+        & (o_leaf >= s0[:, None, None] + 1) & (o_leaf <= cur[:, None, None] - 2)
+    return o_leaf, m_free
+
+
 # the selection outputs' batch strides (n_tiles * HKV * slots) follow the length: not specialised
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_par", "s_ib", "s_cb"])
 def _leaf_topk_kernel(
@@ -722,20 +734,13 @@ def _leaf_topk_kernel(
         + o_s[None, :]
     b_key = tl.load(p_key + b_pair, mask=m_tok[:, None] & (o_s < PAR_SLOTS)[None, :],
                     other=SLOT_NONE)
-    # [BT, PAR_SLOTS_P, BRANCH_P]
-    o_leaf = (b_key % n_par).to(tl.int32)[:, :, None] * BRANCH + o_c[None, None, :]
-    m_free = (b_key != SLOT_NONE)[:, :, None] & (o_c < BRANCH)[None, None, :] \
-        & (o_leaf >= s0[:, None, None] + 1) & (o_leaf <= cur[:, None, None] - 2)
+    o_leaf, m_free = slot_leaves(b_key, n_par, s0, cur, BRANCH, BRANCH_P)
     b_s = tl.load(p_score + b_pair[:, :, None] * BRANCH_P + o_c[None, None, :], mask=m_free,
                   other=0.)
     b_x = tl.where(m_free, pack(b_s, o_leaf), KEY_NONE)
     b_top = tl.topk(tl.reshape(b_x, [BT, PAR_SLOTS_P * BRANCH_P]), TOP_P)  # [BT, TOP_P]
-    b_row, count = selection_row(cur, b_top, s0, PICK.TOPK, PICK.IN_BUDGET, PICK.SLOTS_P)
-    b_row = tl.where(m_q[:, None], b_row, -1)
-    count = tl.where(m_q, count, 0)
-    s_it, s_ih = s_i
-    store_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, b_row, count, s_ib, s_it, s_ih, s_cb, s_ct,
-                    PICK.SLOTS)
+    write_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, m_q, cur, s0, b_top, s_ib, s_i, s_cb, s_ct,
+                    PICK)
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_par", "s_ib", "s_cb"])
@@ -796,17 +801,13 @@ def _leaf_mass_kernel(
     b_norm = tl.sum(tl.sum(b_p, axis=2), axis=1)
     b_p = tl.where(m_row[:, None, None], b_p / tl.maximum(b_norm, 1e-30)[:, None, None], 0.)
     b_score = tl.sum(b_p, axis=0)  # [PAR_SLOTS_P, BRANCH_P]
-    b_key = tl.load(p_row + o_s, mask=o_s < PAR_SLOTS, other=SLOT_NONE)
-    o_leaf = (b_key % n_par).to(tl.int32)[:, None] * BRANCH + o_c[None, :]
-    m_free = (b_key != SLOT_NONE)[:, None] & (o_c < BRANCH)[None, :] & (o_leaf >= 1) \
-        & (o_leaf <= cur - 2)
-    b_x = tl.where(m_free, pack(b_score, o_leaf), KEY_NONE)
+    cur1 = tl.full([1], 0, tl.int32) + cur  # one selection row
+    b_key = tl.load(p_row + o_s[None, :], mask=(o_s < PAR_SLOTS)[None, :], other=SLOT_NONE)
+    o_leaf, m_free = slot_leaves(b_key, n_par, cur1 * 0, cur1, BRANCH, BRANCH_P)
+    b_x = tl.where(m_free, pack(b_score[None, :, :], o_leaf), KEY_NONE)
     b_top = tl.topk(tl.reshape(b_x, [1, PAR_SLOTS_P * BRANCH_P]), TOP_P)  # [1, TOP_P]
-    cur1 = tl.full([1], 0, tl.int32) + cur
-    b_out, count = selection_row(cur1, b_top, cur1 * 0, PICK.TOPK, PICK.IN_BUDGET, PICK.SLOTS_P)
-    s_it, s_ih = s_i
-    store_selection(p_idx, p_cnt, i_b, i_h, i_t, cur1 >= 0, b_out, count, s_ib, s_it, s_ih,
-                    s_cb, s_ct, PICK.SLOTS)
+    write_selection(p_idx, p_cnt, i_b, i_h, i_t, cur1 >= 0, cur1 >= 0, cur1, cur1 * 0, b_top,
+                    s_ib, s_i, s_cb, s_ct, PICK)
 
 
 # ------------------------------------------------------------------------------------------------

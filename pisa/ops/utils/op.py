@@ -234,6 +234,20 @@ def selection_row(cur, b_top, s0, TOPK: tl.constexpr, IN_BUDGET: tl.constexpr,
 
 
 @triton.jit
+def write_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, m_q, cur, s0, b_top, s_ib, s_i, s_cb,
+                    s_ct, PICK: tl.constexpr):
+    """Rows ``t0 ..`` (``m_tok`` the real ones, ``m_q`` those with queries; the others are
+    written empty) take their forced blocks and the best free ones of ``b_top [BT, KS]``
+    (``selection_row``) and are stored (``store_selection``)."""
+    b_row, count = selection_row(cur, b_top, s0, PICK.TOPK, PICK.IN_BUDGET, PICK.SLOTS_P)
+    b_row = tl.where(m_q[:, None], b_row, -1)
+    count = tl.where(m_q, count, 0)
+    s_it, s_ih = s_i
+    store_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, b_row, count, s_ib, s_it, s_ih, s_cb, s_ct,
+                    PICK.SLOTS)
+
+
+@triton.jit
 def store_selection(p_idx, p_cnt, i_b, i_h, t0, m_tok, b_row, count, s_ib, s_it, s_ih, s_cb,
                     s_ct, SLOTS: tl.constexpr):
     """Write the rows ``b_row [BT, SP]`` (``selection_row``) of tokens ``t0 ..`` (``m_tok``: the
