@@ -272,7 +272,7 @@ def test_leaf_scorer():
     (dict(beam_leaf=0), ValueError, "beam_leaf must be a positive int or None"),
     (dict(beam_leaf=2.0), TypeError, "beam_leaf must be an int"),
     (dict(tile_reduce="max"), ValueError,
-     "tile_reduce must be one of \\('sum', 'lse', 'qmean'\\)"),
+     "tile_reduce must be one of \\('sum', 'lse', 'qmean', 'mass'\\)"),
     (dict(scorer="bounds"), ValueError, "scorer must be one of")], ids=lambda x: str(x)[:30])
 def test_v2_knob_checks(knobs, exc, msg):
     """Each new knob is checked by ``check_knobs`` (so by ``resolve_config``), naming it."""
