@@ -48,8 +48,10 @@ Limits: ``W <= 512 / next_pow2(g)`` (``W`` the beam above level 2, capped at the
 at the level-3 node count where it would not fit: ``beam_geometry``; beams that cover every
 block are the flat scan, ``select.flat``); any ``beam_leaf``; any ``g >= 2`` (non-powers of two
 pad to the next one); any ``D <= 256`` and ``G``. Registers grow with
-``next_pow2(g) * next_pow2(W) * D`` (the default g=2, W=16, D=128 fits; compiled for sm_90 the
-walk takes 150 registers a thread per token, 198 for ``qmean`` tiles, no spills).
+``next_pow2(g) * next_pow2(W) * D`` (the default g=2, W=16, D=128 fits; compiled for sm_90a at the
+default ``qmean`` tiles the walk takes 255 registers a thread and spills 168 bytes at G = 16, 70 at
+G = 4 and 7; the leaf stage 208, the ``mass`` leaf kernel 205-218, neither spills:
+``benchmarks/checks/kernel_regs.py``, ``docs/selection_v3.md``).
 """
 from __future__ import annotations
 
