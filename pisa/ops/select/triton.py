@@ -786,16 +786,16 @@ def _leaf_mass_kernel(
     o_c = tl.arange(0, BRANCH_P)
     o_cp = tl.arange(0, CP)
     b_lse = tl.full([NT * GP, PAR_SLOTS_P, BRANCH_P], float("-inf"), dtype=tl.float32)
+    # no branch on empty slots (their keys are masked out): the loop pipelines its key loads
     for i_s in range(0, PAR_SLOTS):
         key = tl.load(p_row + i_s)
-        if key != SLOT_NONE:
-            o_leaf = (key % n_par).to(tl.int32) * BRANCH + o_c
-            m_leaf = (o_c < BRANCH) & (o_leaf >= 1) & (o_leaf <= cur - 2)
-            b_k = leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C, CP, ROWS.DP, ROWS.D)
-            b_z = tl.reshape(key_logits(b_q, b_q, b_k, False) * scale, [NT * GP, BRANCH_P, CP])
-            b_s = key_scores(b_z, (o_cp < C)[None, None, :], C, 0)  # [rows, BRANCH_P] LSE
-            b_s = tl.where(m_leaf[None, :], b_s, float("-inf"))
-            b_lse = tl.where((o_s == i_s)[None, :, None], b_s[:, None, :], b_lse)
+        o_leaf = (key % n_par).to(tl.int32) * BRANCH + o_c
+        m_leaf = (key != SLOT_NONE) & (o_c < BRANCH) & (o_leaf >= 1) & (o_leaf <= cur - 2)
+        b_k = leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C, CP, ROWS.DP, ROWS.D)
+        b_z = tl.reshape(key_logits(b_q, b_q, b_k, False) * scale, [NT * GP, BRANCH_P, CP])
+        b_s = key_scores(b_z, (o_cp < C)[None, None, :], C, 0)  # [rows, BRANCH_P] LSE
+        b_s = tl.where(m_leaf[None, :], b_s, float("-inf"))
+        b_lse = tl.where((o_s == i_s)[None, :, None], b_s[:, None, :], b_lse)
     # per row: its share of each candidate (exp(lse - logsumexp over the candidates)), summed
     b_max = tl.max(tl.max(b_lse, axis=2), axis=1)
     b_sh = tl.where(b_max == float("-inf"), 0., b_max)
@@ -965,7 +965,8 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
             q, k, keys, block_idx, counts, Tq, Tk, n_tiles, tile0, n_par, cfg.scale,
             *strides_of(q), *strides_of(k), *strides_of(block_idx), counts.stride(0),
             counts.stride(1), mass_row_tokens(Qt, G), max(C, cdiv(16, BRANCH_P)), top_p,
-            rows_of, tree, pick_of(cfg), num_warps=launch.topk_warps)
+            rows_of, tree, pick_of(cfg), num_warps=launch.leaf_warps,
+            num_stages=launch.leaf_stages)
         return
     pairs, start = sort_by_key(keys.view(-1), n_keys)  # group i: pairs[start[i]:start[i + 1]]
     scores = torch.empty(keys.numel(), BRANCH_P, dtype=torch.float32, device=q.device)
