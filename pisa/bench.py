@@ -229,8 +229,12 @@ def _bench_length(cfg: BenchConfig, backend: str, q, k, v) -> list[dict]:
         if sel == "flat_lse" and T > cfg.flat_lse_max:
             continue
 
-        def select(sel=sel):  # keeps the last selection, to score it below
-            sels[sel] = pisa_select(q, k, **dict(knobs, selector=sel))
+        at = dict(knobs, selector=sel)
+        if sel != "pyramid" and at["tile_reduce"] == "mass":  # ranks walk candidates: the flat
+            at["tile_reduce"] = "qmean"                        # scans take the mean query
+
+        def select(at=at):  # keeps the last selection, to score it below
+            sels[at["selector"]] = pisa_select(q, k, **at)
         timings[sel] = timed(select)
     quality = _quality(q, k, sels, walk, knobs) if T <= cfg.quality_max else {}
     for sel, (timing, peak) in timings.items():
@@ -407,7 +411,8 @@ def format_header(result: dict) -> str:
         "selection knobs (pisa_select / pisa_attn keywords, each a flag: pisa bench --help): "
         + ", ".join(knobs),
         "  'selector' is what pisa fwd uses; the select columns time pyramid, flat_mean and "
-        "flat_lse at the same knobs",
+        "flat_lse at the same knobs (with tile_reduce='mass' the flat scans rank by the mean "
+        "query: 'mass' ranks the walk's candidates)",
         f"recall and mass are measured against the per-token oracle: {m['oracle']}",
     ])
 

@@ -209,3 +209,18 @@ def test_version(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"pisa {pisa.__version__}\n"
+
+
+def test_bench_with_mass_tiles_ranks_the_flat_scans_by_the_mean_query(tmp_path, capsys):
+    """``--tile-reduce mass`` (the walk's candidates ranked by row shares): the pyramid runs it,
+    the flat scans (which have no candidates) run the mean query, and the quality columns are
+    measured against the per-token oracle."""
+    from pisa.cli import main
+    out = tmp_path / "bench.json"
+    assert main(["bench", *SMALL[:-3], "--lengths", "512", "--quality-max", "512", "--no-backward",
+                 "--beam", "2", "--beam-leaf", "4", "--tile-reduce", "mass",
+                 "--json", str(out)]) == 0
+    rows = {(r["op"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
+    assert {"pyramid", "flat_mean", "flat_lse", "oracle"} <= {i for o, i in rows if o == "select"}
+    assert all(0 < rows[("select", i)]["mass"] <= 1 for i in ("pyramid", "flat_lse", "oracle"))
+    assert "the flat scans rank by the mean query" in capsys.readouterr().out

@@ -92,7 +92,8 @@ class SelectionScorer:
         self.scale = knobs.pop("scale", None) or default_scale(q.shape[-1])
         self.knobs = knobs
         self.full = dense_lse(q, k, self.scale)
-        self.oracle = self.select("flat_lse", query_tile=1)
+        # per token every tile reduction is the token's own group score ("mass" has no flat form)
+        self.oracle = self.select("flat_lse", query_tile=1, tile_reduce="sum")
         self.oracle_mass = self.mass(self.oracle)
 
     def select(self, selector: str, **overrides) -> torch.Tensor:
