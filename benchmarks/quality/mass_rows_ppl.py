@@ -22,8 +22,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--mass-rows", type=int, required=True)
     args, rest = ap.parse_known_args()
-    config.MASS_ROWS = args.mass_rows
-    code = pisa_main(["eval", "ppl", *rest])
+    saved, config.MASS_ROWS = config.MASS_ROWS, args.mass_rows
+    try:
+        code = pisa_main(["eval", "ppl", *rest])
+    finally:
+        config.MASS_ROWS = saved
     if "--json" in rest:
         note_rows(rest[rest.index("--json") + 1], args.mass_rows)
     return code
