@@ -49,7 +49,7 @@ _SELECT_DOC = """
         one), the sum or the log-sum-exp of their per-token scores (every query row scored), or
         (``"mass"``, selection v3, ``docs/selection_v3.md``) a walk by the mean query whose
         candidate leaves are ranked by the summed softmax share of up to 64 rows of the tile's
-        own tokens (pyramid selector, ``scorer`` "lse" or "bound", no packed sequences yet).
+        own tokens (pyramid selector, ``scorer`` "lse" or "bound").
     selector: "pyramid" (default) | "flat_lse" | "flat_mean" | "auto". ``flat_lse`` scores every
         causal block by its exact LSE (the mass-optimal oracle, O(N^2)); ``flat_mean`` by the
         logit of its mean key (BSA/MoBA style); ``auto`` takes ``flat_lse`` below
@@ -237,9 +237,10 @@ def _varlen_select(q, k_row, lay: VarlenLayout, cfg: SelectConfig, backend: str,
     """The selection ``[1, rows, HKV, S]`` (global block ids) of packed queries ``q`` against
     the layout row of keys ``k_row`` (``lay.rows``; that of ``q`` too when the caller has it)."""
     q = q.detach()
-    if cfg.tile_reduce == "mass":  # its rows are tokens of the tile, which a layout row pads
-        raise ValueError("tile_reduce='mass' does not support packed sequences (cu_seqlens) "
-                         "yet: use 'qmean' (the default) or select per sequence")
+    if cfg.tile_reduce == "mass":  # a tile's rows are its own queries: the row marks them
+        q_row = lay.rows(q, False, backend) if q_row is None else q_row
+        return select(q_row.detach(), k_row.detach(), cfg=cfg, backend=backend, blk0=lay.blk0,
+                      q_ok=lay.src_q >= 0)
     if cfg.query_tile > 1 and cfg.tile_reduce == "qmean":  # partial tiles: their own mean
         q_row = lay.mean_tile_rows(q, cfg.query_tile, backend)
     elif q_row is None:

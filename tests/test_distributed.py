@@ -27,6 +27,7 @@ CASES_2 = [
     ("contiguous", 160, [40, 120], 4, 2, dict(topk=6, beam_leaf=4, tile_reduce="lse",
                                               query_tile=2, forced_in_budget=False)),
     ("zigzag", 200, None, 4, 2, dict(topk=5, selector="flat_mean")),
+    ("contiguous", 203, [96, 107], 4, 1, dict(topk=5, beam=3, tile_reduce="mass")),
 ]
 CASES_4 = [
     ("zigzag", 330, None, 4, 2, dict(topk=5, beam=3)),

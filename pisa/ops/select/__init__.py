@@ -26,7 +26,7 @@ from ..utils.geometry import cdiv, level_offsets
 
 
 def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | None,
-                   blk0: Tensor | None):
+                   blk0: Tensor | None, q_ok: Tensor | None):
     from .flat import select_flat_triton
     from .triton import beam_geometry, check_pyramid, select_pyramid_triton
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -43,10 +43,10 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
         pyramid = build_pyramid(k, cfg.block_size, cfg.branching, "triton",
                                 bounds=walk and cfg.uses_bounds)
     if walk:
-        return select_pyramid_triton(q, k, cfg, pyramid, blk0)
+        return select_pyramid_triton(q, k, cfg, pyramid, blk0, q_ok)
     if cfg.tile_reduce == "mass":  # a context of at most a beam of leaves: the torch ranking
         from .torch_backend import select_torch
-        return select_torch(q, k, cfg, pyramid, blk0)
+        return select_torch(q, k, cfg, pyramid, blk0, q_ok)
     return select_flat_triton(q, k, cfg, pyramid, cfg.leaf_scorer, blk0)
 
 
@@ -54,10 +54,12 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
 # arguments (``SelectConfig.op_schema``), passed as ``**cfg.op_kwargs()``.
 @torch.library.custom_op("pisa::select", mutates_args=(), schema=(
     "(Tensor q, Tensor k, Tensor? means, Tensor? counts, Tensor? mins, Tensor? maxs, "
-    f"str backend, Tensor? blk0, *, {SelectConfig.op_schema()}) -> (Tensor, Tensor)"))
+    f"str backend, Tensor? blk0, Tensor? q_ok, *, {SelectConfig.op_schema()}) "
+    "-> (Tensor, Tensor)"))
 def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[Tensor],
                mins: Optional[Tensor], maxs: Optional[Tensor], backend: str,
-               blk0: Optional[Tensor], **fields) -> tuple[Tensor, Tensor]:
+               blk0: Optional[Tensor], q_ok: Optional[Tensor],
+               **fields) -> tuple[Tensor, Tensor]:
     cfg = SelectConfig(**fields)
     pyramid = None if means is None else Pyramid(
         means, counts, level_offsets(k.shape[1], cfg.block_size, cfg.branching), mins, maxs)
@@ -65,7 +67,7 @@ def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[T
         pyramid = None  # a caller's pyramid without bounds (a decode cache's): the backend
         # builds one with them from the keys
     if backend == "triton":
-        return _select_triton(q, k, cfg, pyramid, blk0)
+        return _select_triton(q, k, cfg, pyramid, blk0, q_ok)
     if backend == "naive":  # builds its own fp64 pyramid from the keys
         if blk0 is not None:
             raise ValueError("backend='naive' has no packed-sequence selection: use 'torch'")
@@ -73,11 +75,11 @@ def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[T
         idx, cnt = naive_select(q.cpu(), k.cpu(), cfg)
         return idx.to(q.device), cnt.to(q.device)
     from .torch_backend import select_torch
-    return select_torch(q, k, cfg, pyramid, blk0)
+    return select_torch(q, k, cfg, pyramid, blk0, q_ok)
 
 
 @_select_op.register_fake
-def _(q, k, means, counts, mins, maxs, backend, blk0, **fields):
+def _(q, k, means, counts, mins, maxs, backend, blk0, q_ok, **fields):
     cfg = SelectConfig(**fields)
     B, HKV = q.shape[0], k.shape[2]
     rows = n_query_tiles(q.shape[1], k.shape[1], cfg.query_tile)
@@ -86,20 +88,23 @@ def _(q, k, means, counts, mins, maxs, backend, blk0, **fields):
 
 
 def select(q: Tensor, k: Tensor, *, cfg: SelectConfig, backend: str,
-           pyramid: Pyramid | None = None, blk0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+           pyramid: Pyramid | None = None, blk0: Tensor | None = None,
+           q_ok: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Selection through the custom op ``torch.ops.pisa.select`` (opaque to torch.compile).
 
     ``q [B, Tq, HQ, D]``, ``k [B, Tk, HKV, D]`` (checked), ``cfg`` resolved, ``backend`` one of
     ``"torch"``, ``"triton"``, ``"naive"``; ``pyramid``: the pyramid of ``k`` if the caller holds
     it; ``blk0 [cdiv(Tk, C)]`` int32 for a packed layout (``B = 1``): the first block of each
-    block's sequence, ``-1`` for a block without queries (its rows come back empty). Returns
+    block's sequence, ``-1`` for a block without queries (its rows come back empty), and for
+    ``tile_reduce="mass"`` ``q_ok [Tq]`` bool, which row positions hold queries (the layout
+    row's others are zeros: a tile scores and averages its own tokens only). Returns
     ``block_idx [B, n_tiles, HKV, cfg.slots] int32`` (ascending, ``-1`` padded) and
     ``counts [B, n_tiles, HKV] int32``, a row per query tile: ``n_tiles =
     n_query_tiles(Tq, Tk, cfg.query_tile)``, ``Tq`` rows (one per token) for ``query_tile=1``.
     No gradient."""
     tensors = (None,) * 4 if pyramid is None else (pyramid.means, pyramid.counts, pyramid.mins,
                                                    pyramid.maxs)
-    return _select_op(q, k, *tensors, backend, blk0, **cfg.op_kwargs())
+    return _select_op(q, k, *tensors, backend, blk0, q_ok, **cfg.op_kwargs())
 
 
 def tiles_to_tokens(block_idx: Tensor, counts: Tensor, n_queries: int, n_keys: int,

@@ -109,7 +109,8 @@ def _flat_select_kernel(
     s_qt, s_qh = s_q
     p_qh = p_q + i_b.to(tl.int64) * s_qb + (i_h * G) * s_qh
     if SCORE.MEAN:
-        b_q, b_ql = split_rows(mean_rows(p_qh, s_q, o_tok, o_mh, m_row, Tq, QT, SCAN.D, SCAN.DP),
+        b_q, b_ql = split_rows(mean_rows(p_qh, s_q, o_tok, o_mh, m_row, Tq, QT, SCAN.D, SCAN.DP,
+                                            p_qh, False),
                                p_q.dtype.element_ty)
     else:
         m_row = m_row & (o_tok >= 0) & (o_tok < Tq)

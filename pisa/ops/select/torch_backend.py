@@ -253,18 +253,21 @@ def walk(qs, pyr: Pyramid, t_abs, forced, cfg: SelectConfig, tok_ok=None, sink=N
 
 
 def select_torch(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig,
-                 pyramid: Pyramid | None = None, blk0: torch.Tensor | None = None):
+                 pyramid: Pyramid | None = None, blk0: torch.Tensor | None = None,
+                 q_ok: torch.Tensor | None = None):
     """Vectorised selection per query tile; returns ``(block_idx [B, n_tiles, HKV, slots] int32,
     counts [B, n_tiles, HKV])``, ``n_tiles = n_query_tiles(Tq, Tk, cfg.query_tile)`` (``Tq`` for
     per-token selection). ``pyramid``: that of ``k``, built here when not given (or when
     ``scorer="bound"`` needs bounds it lacks). ``blk0 [cdiv(Tk, C)]`` int32, a packed layout's
     (``B = 1``, ``pisa.ops.utils.varlen``): the first block of each block's sequence, the sink of its
-    rows, ``-1`` for a block without queries (its rows come back empty).
+    rows, ``-1`` for a block without queries (its rows come back empty). ``q_ok [Tq]`` bool
+    (``tile_reduce="mass"`` in a packed layout): the positions that hold queries, the only ones
+    a tile scores and averages.
 
     Runs under ``torch.no_grad``: selection is not differentiable.
     """
     with torch.no_grad():
-        return _select(q, k, cfg, pyramid, blk0)
+        return _select(q, k, cfg, pyramid, blk0, q_ok)
 
 
 def _tile_queries(q: torch.Tensor, n_keys: int, H: int, cfg: SelectConfig, first: int,
@@ -290,7 +293,7 @@ def _mean_tiles(qs: torch.Tensor, tok_ok: torch.Tensor):
     """Tiles ``qs [B, Tc, H, Qt, G, D]`` (zero rows where ``tok_ok [Tc, Qt]`` is False) as one
     virtual token each, the per-head mean of their real queries: ``[B, Tc, H, 1, G, D]``,
     ``[Tc, 1]``."""
-    n_tok = tok_ok.sum(-1).to(qs.dtype)[None, :, None, None, None, None]
+    n_tok = tok_ok.sum(-1).clamp_min(1).to(qs.dtype)[None, :, None, None, None, None]
     return qs.sum(3, keepdim=True) / n_tok, tok_ok.any(-1, keepdim=True)
 
 
@@ -309,7 +312,7 @@ def _mass_rows(qs: torch.Tensor, tok_ok: torch.Tensor):
     return qs.gather(3, idx), j < n
 
 
-def _select(q, k, cfg, pyramid, blk0):
+def _select(q, k, cfg, pyramid, blk0, q_ok):
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
     G, C, Qt, g = HQ // H, cfg.block_size, cfg.query_tile, cfg.branching
@@ -338,6 +341,8 @@ def _select(q, k, cfg, pyramid, blk0):
     for s in range(0, n_tiles, chunk):
         e = min(n_tiles, s + chunk)
         qs, tok_ok, t_ref = _tile_queries(q, Tk, H, cfg, first + s, first + e)
+        if q_ok is not None and cfg.tile_reduce == "mass":  # Tq == Tk: positions are queries
+            tok_ok = tok_ok & q_ok[(first + s) * Qt:(first + e) * Qt].view(e - s, Qt)
         leaf_qs, leaf_ok = qs, tok_ok
         if cfg.tile_reduce in ("qmean", "mass"):  # the walk's virtual token: the mean query
             qs, tok_ok = _mean_tiles(qs, tok_ok)

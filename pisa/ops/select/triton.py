@@ -50,7 +50,7 @@ block are the flat scan, ``select.flat``); any ``beam_leaf``; any ``g >= 2`` (no
 pad to the next one); any ``D <= 256`` and ``G``. Registers grow with
 ``next_pow2(g) * next_pow2(W) * D`` (the default g=2, W=16, D=128 fits; compiled for sm_90a at the
 default ``qmean`` tiles the walk takes 255 registers a thread and spills 168 bytes at G = 16, 70 at
-G = 4 and 7; the leaf stage 208, the ``mass`` leaf kernel 205-218, neither spills:
+G = 4 and 7; the leaf stage 208, the ``mass`` leaf kernel 168-225, neither spills:
 ``benchmarks/checks/kernel_regs.py``, ``docs/selection_v3.md``).
 """
 from __future__ import annotations
@@ -161,16 +161,18 @@ def tile_rows(p_rh, s_r, r_lo, r_hi, ROWS: tl.constexpr):
 
 @triton.jit
 def mean_rows(p_rh, s_r, o_tok0, o_head, m_row, Tq, QT: tl.constexpr, D: tl.constexpr,
-              DP: tl.constexpr):
+              DP: tl.constexpr, p_ok, MASKED: tl.constexpr):
     """``[R, DP]`` fp32: per row ``r`` the mean of head ``o_head[r]`` over the real query tokens
-    (``[0, Tq)``) among ``o_tok0[r] .. o_tok0[r] + QT`` (a tile's positions; zero rows outside
-    ``m_row``)."""
+    (``[0, Tq)``; with ``MASKED`` those where ``p_ok [Tq]`` is set) among ``o_tok0[r] ..
+    o_tok0[r] + QT`` (a tile's positions; zero rows outside ``m_row``)."""
     R: tl.constexpr = o_tok0.shape[0]
     b_acc = tl.zeros([R, DP], dtype=tl.float32)
     b_n = tl.zeros([R], dtype=tl.float32)
     for t in range(0, QT):
         o_t = o_tok0 + t
         m_t = m_row & (o_t >= 0) & (o_t < Tq)
+        if MASKED:
+            m_t = m_t & (tl.load(p_ok + o_t, mask=m_t, other=0) != 0)
         b_x, _ = rows_at(p_rh, s_r, o_t, o_head, m_t, D, DP, 0)
         b_acc += b_x.to(tl.float32)
         b_n += m_t.to(tl.float32)
@@ -548,10 +550,11 @@ def sequence_start(p_blk0, cur, m, VARLEN: tl.constexpr):
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_levels", "top_span", "n_par",
                                "n_chunk", "chunk"])
 def _pyramid_walk_kernel(
-        p_q, p_rows, p_summary, p_counts, p_off, p_key, p_blk0,
+        p_q, p_rows, p_summary, p_counts, p_off, p_key, p_blk0, p_qok,
         Tq, Tk, n_tiles, tile0, n_levels, top_span, scale, n_par, n_chunk, chunk,
         s_qb: tl.int64, s_q, s_rb: tl.int64, s_r, s_mb: tl.int64, s_m,
-        ROWS: tl.constexpr, TREE: tl.constexpr, SCORE: tl.constexpr, VARLEN: tl.constexpr):
+        ROWS: tl.constexpr, TREE: tl.constexpr, SCORE: tl.constexpr, VARLEN: tl.constexpr,
+        MASKED: tl.constexpr):
     """The internal levels of tile ``i_t``'s walk (``walk``); writes the level-2 parents of its
     leaf candidates into its ``PAR_SLOTS = W2P + 3`` slots of ``p_key [B, n_tiles, HKV,
     PAR_SLOTS]``: the ``n_rest`` kept nodes, then the (up to 3) forced level-2 nodes that have a
@@ -562,7 +565,9 @@ def _pyramid_walk_kernel(
     The tile's rows: its query tokens' (``p_rows`` is ``p_q``) or, with ``MEAN``, its ``G`` mean
     queries, which this program computes from ``p_q`` and writes to ``p_rows [B, n_tiles, HQ,
     (2,) D]`` (16-bit head, then the residual ``RESID`` elements on) for the leaf stage.
-    ``VARLEN``: a packed layout, ``p_blk0`` the sink of each block (``sequence_start``)."""
+    ``VARLEN``: a packed layout, ``p_blk0`` the sink of each block (``sequence_start``);
+    ``MASKED``: the mean is over the positions ``p_qok`` marks (``tile_reduce="mass"`` in a
+    packed layout, whose row holds zeros between sequences' queries)."""
     G: tl.constexpr = ROWS.G
     GP: tl.constexpr = ROWS.GP
     BRANCH: tl.constexpr = TREE.BRANCH
@@ -579,7 +584,7 @@ def _pyramid_walk_kernel(
         s_qt, s_qh = s_q
         p_qh = p_q + i_b.to(tl.int64) * s_qb + (i_h * G) * s_qh
         b_mean = mean_rows(p_qh, s_q, tl.zeros([GP], dtype=tl.int32) + (pos - (Tk - Tq)), o_h,
-                           m_row, Tq, ROWS.QT, ROWS.D, ROWS.DP)
+                           m_row, Tq, ROWS.QT, ROWS.D, ROWS.DP, p_qok, MASKED)
         b_q, b_ql = split_rows(b_mean, p_rows.dtype.element_ty)
         o_d = tl.arange(0, ROWS.DP)
         p_st = p_rh + i_t.to(tl.int64) * s_rt + o_h.to(tl.int64)[:, None] * s_rh + o_d[None, :]
@@ -747,10 +752,10 @@ def _leaf_topk_kernel(
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "n_tiles", "tile0", "n_par", "s_ib", "s_cb"])
 def _leaf_mass_kernel(
-        p_q, p_k, p_key, p_idx, p_cnt, Tq, Tk, n_tiles, tile0, n_par, scale,
+        p_q, p_k, p_key, p_idx, p_cnt, p_blk0, p_qok, Tq, Tk, n_tiles, tile0, n_par, scale,
         s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_ib: tl.int64, s_i, s_cb: tl.int64, s_ct,
         NT: tl.constexpr, CP: tl.constexpr, TOP_P: tl.constexpr, ROWS: tl.constexpr,
-        TREE: tl.constexpr, PICK: tl.constexpr):
+        TREE: tl.constexpr, PICK: tl.constexpr, VARLEN: tl.constexpr):
     """``tile_reduce="mass"``: tile ``i_t`` ranks the free children of its ``PAR_SLOTS`` parent
     slots (``p_key``, from the walk) by the sum over its rows of each row's softmax share of a leaf
     among them, and writes its row. The rows are ``NT`` tokens (``mass_tokens`` of its real ones)
@@ -758,7 +763,9 @@ def _leaf_mass_kernel(
     LSEs kept in registers ``[NT * GP, PAR_SLOTS_P, BRANCH_P]`` until every parent is scored.
 
     A program reads its own parents' keys (``(W2 + 3) * g * C`` keys, from L2 for neighbouring
-    tiles), not a group's: the shares need every candidate of the row before any sum."""
+    tiles), not a group's: the shares need every candidate of the row before any sum.
+    ``VARLEN``: a packed layout (``Tq == Tk``): the sink ``p_blk0`` of each block
+    (``sequence_start``) and the positions holding queries ``p_qok``, contiguous in a tile."""
     C: tl.constexpr = TREE.C
     BRANCH: tl.constexpr = TREE.BRANCH
     BRANCH_P: tl.constexpr = TREE.BRANCH_P
@@ -768,8 +775,16 @@ def _leaf_mass_kernel(
     i_t, i_h, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     HKV = tl.num_programs(1)
     pos, cur, q_lo, q_hi = tile_span(i_t, tile0, Tq, Tk, ROWS.QT, C)
-    # rows: token q_lo + j * n_real // n of the n <= NT spread over the tile's real ones
+    cur1 = tl.full([1], 0, tl.int32) + cur  # one selection row
+    s01, m_q = sequence_start(p_blk0, cur1, cur1 >= 0, VARLEN)
+    s0 = tl.max(s01, axis=0)
     n_real = q_hi - q_lo
+    if VARLEN:  # the tile's queries: the run of positions p_qok marks
+        o_p = pos + tl.arange(0, ROWS.QT)
+        m_p = tl.load(p_qok + o_p) != 0
+        n_real = tl.sum(m_p.to(tl.int32), axis=0)
+        q_lo = tl.min(tl.where(m_p, o_p, pos + ROWS.QT), axis=0)
+    # rows: token q_lo + j * n_real // n of the n <= NT spread over the tile's real ones
     n = tl.minimum(n_real, NT)
     o_m = tl.arange(0, NT * GP)
     o_j = o_m // GP
@@ -790,7 +805,7 @@ def _leaf_mass_kernel(
     for i_s in range(0, PAR_SLOTS):
         key = tl.load(p_row + i_s)
         o_leaf = (key % n_par).to(tl.int32) * BRANCH + o_c
-        m_leaf = (key != SLOT_NONE) & (o_c < BRANCH) & (o_leaf >= 1) & (o_leaf <= cur - 2)
+        m_leaf = (key != SLOT_NONE) & (o_c < BRANCH) & (o_leaf >= s0 + 1) & (o_leaf <= cur - 2)
         b_k = leaf_keys(p_kh, s_kt, o_leaf, m_leaf, C, CP, ROWS.DP, ROWS.D)
         b_z = tl.reshape(key_logits(b_q, b_q, b_k, False) * scale, [NT * GP, BRANCH_P, CP])
         b_s = key_scores(b_z, (o_cp < C)[None, None, :], C, 0)  # [rows, BRANCH_P] LSE
@@ -803,12 +818,11 @@ def _leaf_mass_kernel(
     b_norm = tl.sum(tl.sum(b_p, axis=2), axis=1)
     b_p = tl.where(m_row[:, None, None], b_p / tl.maximum(b_norm, 1e-30)[:, None, None], 0.)
     b_score = tl.sum(b_p, axis=0)  # [PAR_SLOTS_P, BRANCH_P]
-    cur1 = tl.full([1], 0, tl.int32) + cur  # one selection row
     b_key = tl.load(p_row + o_s[None, :], mask=(o_s < PAR_SLOTS)[None, :], other=SLOT_NONE)
-    o_leaf, m_free = slot_leaves(b_key, n_par, cur1 * 0, cur1, BRANCH, BRANCH_P)
+    o_leaf, m_free = slot_leaves(b_key, n_par, s01, cur1, BRANCH, BRANCH_P)
     b_x = tl.where(m_free, pack(b_score[None, :, :], o_leaf), KEY_NONE)
     b_top = tl.topk(tl.reshape(b_x, [1, PAR_SLOTS_P * BRANCH_P]), TOP_P)  # [1, TOP_P]
-    write_selection(p_idx, p_cnt, i_b, i_h, i_t, cur1 >= 0, cur1 >= 0, cur1, cur1 * 0, b_top,
+    write_selection(p_idx, p_cnt, i_b, i_h, i_t, cur1 >= 0, m_q, cur1, s01, b_top,
                     s_ib, s_i, s_cb, s_ct, PICK)
 
 
@@ -895,7 +909,7 @@ def _walk_summaries(pyramid: Pyramid, q: torch.Tensor, bound: bool, residuals: b
 _LAUNCH = SelectLaunch()  # the defaults (``launch=None``); tests swap it for one test
 
 
-def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts, blk0,
+def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts, blk0, q_ok,
                    launch: SelectLaunch):
     """Walk -> (tile, level-2 parent) pair keys -> sort -> leaf scores per parent group ->
     per-tile top-K, with the launch knobs ``launch``. Extra memory: ~24 bytes per slot (keys,
@@ -908,8 +922,6 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
     n_tiles, tile0 = block_idx.shape[1], (Tk - Tq) // Qt
     bound = cfg.scorer == "bound"
     mass = cfg.tile_reduce == "mass"
-    if mass and blk0 is not None:
-        raise ValueError("tile_reduce='mass' does not support packed sequences yet")
     mean = Qt > 1 and cfg.tile_reduce in ("qmean", "mass")  # mass walks by the mean query
     # query tokens a tile's rows hold: one for tokens and qmean tiles (their mean query)
     row_tokens = 1 if mean else Qt
@@ -951,21 +963,26 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
     varlen = blk0 is not None
     blk0 = blk0 if varlen else counts  # unread without VARLEN
     stages = launch.walk_stages if launch.walk_stages * child_bytes <= SELECT_STAGE_SMEM else 1
+    masked = mass and varlen  # a packed layout's mass tiles: their own queries (q_ok)
+    if masked and q_ok is None:
+        raise ValueError("tile_reduce='mass' in a packed layout needs q_ok, the positions that "
+                         "hold queries")
+    q_ok = q_ok.to(torch.int8) if masked else blk0  # unread without MASKED
     _pyramid_walk_kernel[(n_tiles, HKV, B)](
-        q, rows, summaries, pyramid.counts, off, keys, blk0, Tq, Tk, n_tiles, tile0, n_levels,
-        branching ** (n_levels - 2), cfg.scale, n_par, n_chunk, chunk,
+        q, rows, summaries, pyramid.counts, off, keys, blk0, q_ok, Tq, Tk, n_tiles, tile0,
+        n_levels, branching ** (n_levels - 2), cfg.scale, n_par, n_chunk, chunk,
         *strides_of(q), *strides_of(rows), *strides_of(summaries), walk_rows, tree, score, varlen,
-        num_warps=launch.walk_warps, num_stages=stages)
+        masked, num_warps=launch.walk_warps, num_stages=stages)
 
     top_p = min(tree.PAR_SLOTS_P * BRANCH_P, pow2(cfg.topk))
     if mass:
         GP = max(pow2(G), cdiv(16, mass_row_tokens(Qt, G)))
         rows_of = Rows(Qt, G, GP, 1, 1, D, DP, 0, False, 0)
         _leaf_mass_kernel[(n_tiles, HKV, B)](
-            q, k, keys, block_idx, counts, Tq, Tk, n_tiles, tile0, n_par, cfg.scale,
+            q, k, keys, block_idx, counts, blk0, q_ok, Tq, Tk, n_tiles, tile0, n_par, cfg.scale,
             *strides_of(q), *strides_of(k), *strides_of(block_idx), counts.stride(0),
             counts.stride(1), mass_row_tokens(Qt, G), max(C, cdiv(16, BRANCH_P)), top_p,
-            rows_of, tree, pick_of(cfg), num_warps=launch.leaf_warps,
+            rows_of, tree, pick_of(cfg), varlen, num_warps=launch.leaf_warps,
             num_stages=launch.leaf_stages)
         return
     pairs, start = sort_by_key(keys.view(-1), n_keys)  # group i: pairs[start[i]:start[i + 1]]
@@ -1003,7 +1020,7 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
 # ------------------------------------------------------------------------------------------------
 
 def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig, pyramid: Pyramid,
-                          blk0: torch.Tensor | None = None, *,
+                          blk0: torch.Tensor | None = None, q_ok: torch.Tensor | None = None, *,
                           launch: SelectLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pyramid selection per query tile (``cfg.query_tile`` tokens, one by default) and KV head
     (``cfg.selector == "pyramid"``, beams narrower than the leaf count).
@@ -1014,8 +1031,10 @@ def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig, p
     ``-1`` padded) and ``counts [B, n_tiles, HKV] int32``, ``n_tiles = n_query_tiles(Tq, Tk,
     cfg.query_tile)`` (``Tq`` for per-token selection). ``blk0 [cdiv(Tk, C)]`` int32, for a packed
     layout of sequences (``B = 1``, ``pisa.ops.utils.varlen``): each block's sink, the first block of
-    its sequence, ``-1`` for a block without queries (its rows are left empty). ``launch``: the
-    kernels' launch knobs (``utils.launch.SelectLaunch``; default: the tuned ones)."""
+    its sequence, ``-1`` for a block without queries (its rows are left empty), and ``q_ok
+    [Tq]`` bool, which positions hold queries (``tile_reduce="mass"``: a tile averages and scores
+    its own). ``launch``: the kernels' launch knobs (``utils.launch.SelectLaunch``; default: the
+    tuned ones)."""
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
     if cfg.scorer == "bound" and pyramid.mins is None:
@@ -1025,5 +1044,5 @@ def select_pyramid_triton(q: torch.Tensor, k: torch.Tensor, cfg: SelectConfig, p
     block_idx = empty(B, n_tiles, HKV, cfg.slots, dtype=torch.int32, device=q.device)
     counts = empty(B, n_tiles, HKV, dtype=torch.int32, device=q.device)
     if B * n_tiles * HKV:
-        _launch_select(q, k, cfg, pyramid, block_idx, counts, blk0, launch or _LAUNCH)
+        _launch_select(q, k, cfg, pyramid, block_idx, counts, blk0, q_ok, launch or _LAUNCH)
     return block_idx, counts

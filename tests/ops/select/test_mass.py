@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pisa import pisa_attn, pisa_select, pisa_select_varlen
+from pisa import pisa_attn, pisa_select
 from pisa.ops.select import select, tiles_to_tokens
 from pisa.ops.select.naive import naive_select
 from pisa.ops.select.torch_backend import select_torch
@@ -122,14 +122,6 @@ def test_mass_needs_the_pyramid_and_an_exact_leaf_score(knobs, needle):
     q, k = inputs(1, 128, 128, 1, 2, 16)
     with pytest.raises(ValueError, match=needle):
         pisa_select(q, k, block_size=16, topk=4, tile_reduce="mass", **knobs)
-
-
-def test_mass_refuses_packed_sequences():
-    q, k = inputs(1, 128, 128, 1, 2, 16)
-    cu = torch.tensor([0, 60, 128], dtype=torch.int32)
-    with pytest.raises(ValueError, match="tile_reduce='mass' does not support packed"):
-        pisa_select_varlen(q[0], k[0], cu, cu, 68, 68, block_size=16, topk=4,
-                           tile_reduce="mass", backend="torch")
 
 
 def test_auto_selector_keeps_the_walk_for_mass():

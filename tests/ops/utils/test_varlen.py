@@ -29,7 +29,9 @@ KNOBS = [{}, {"selector": "flat_lse"}, {"selector": "flat_mean"}, {"scorer": "me
          {"scorer": "meanvar", "beam_leaf": 3}, {"scorer": "bound"}, {"branching": 4},
          {"branching": 3}, {"forced_in_budget": False}, {"query_tile": 4},
          {"query_tile": 8, "tile_reduce": "lse"}, {"query_tile": 4, "tile_reduce": "qmean"},
-         {"selector": "auto"}, {"query_tile": 1, "scorer": "lse", "tile_reduce": "sum"}]
+         {"selector": "auto"}, {"query_tile": 1, "scorer": "lse", "tile_reduce": "sum"},
+         {"query_tile": 8, "tile_reduce": "mass"}, {"query_tile": 4, "tile_reduce": "mass",
+                                                    "scorer": "bound", "beam_leaf": 3}]
 
 
 def _cu(lens):
@@ -87,8 +89,9 @@ def test_torch_equals_each_sequence_alone(knobs, rng):
 
 
 @pytest.mark.parametrize("knobs", [{}, {"query_tile": 4, "scorer": "bound"},
-                                   {"selector": "flat_mean", "query_tile": 2}],
-                         ids=["pyramid", "tiles-bound", "flat_mean-tiles"])
+                                   {"selector": "flat_mean", "query_tile": 2},
+                                   {"query_tile": 8, "tile_reduce": "mass"}],
+                         ids=["pyramid", "tiles-bound", "flat_mean-tiles", "mass"])
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_equals_each_sequence_alone(knobs, rng, poison_outputs, poison_empty):
     q, k, v, cu_q, cu_k = _packed(torch.float32, DEV)
@@ -250,7 +253,7 @@ def test_no_queries_gives_empty_outputs_and_zero_gradients():
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("knobs", [{}, {"query_tile": 1, "scorer": "lse", "tile_reduce": "sum"},
-                                   {"selector": "flat_mean"}])
+                                   {"selector": "flat_mean"}, {"tile_reduce": "mass"}])
 def test_gpu_bf16_equals_each_sequence_alone(knobs, rng):
     """bf16 at real sizes: the varlen selection equals each sequence's on (nearly) every row, and
     attention over that selection equals ``pisa_attn`` per sequence given it (outputs, LSE,
