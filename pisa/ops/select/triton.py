@@ -554,7 +554,7 @@ def _pyramid_walk_kernel(
         Tq, Tk, n_tiles, tile0, n_levels, top_span, scale, n_par, n_chunk, chunk,
         s_qb: tl.int64, s_q, s_rb: tl.int64, s_r, s_mb: tl.int64, s_m,
         ROWS: tl.constexpr, TREE: tl.constexpr, SCORE: tl.constexpr, VARLEN: tl.constexpr,
-        MASKED: tl.constexpr):
+        MASKED: tl.constexpr, KEEP_ROWS: tl.constexpr):
     """The internal levels of tile ``i_t``'s walk (``walk``); writes the level-2 parents of its
     leaf candidates into its ``PAR_SLOTS = W2P + 3`` slots of ``p_key [B, n_tiles, HKV,
     PAR_SLOTS]``: the ``n_rest`` kept nodes, then the (up to 3) forced level-2 nodes that have a
@@ -563,8 +563,9 @@ def _pyramid_walk_kernel(
     node summaries the walk ranks by (``_walk_summaries``), node and head strides ``s_m``.
 
     The tile's rows: its query tokens' (``p_rows`` is ``p_q``) or, with ``MEAN``, its ``G`` mean
-    queries, which this program computes from ``p_q`` and writes to ``p_rows [B, n_tiles, HQ,
-    (2,) D]`` (16-bit head, then the residual ``RESID`` elements on) for the leaf stage.
+    queries, which this program computes from ``p_q`` and, with ``KEEP_ROWS``, writes to
+    ``p_rows [B, n_tiles, HQ, (2,) D]`` (16-bit head, then the residual ``RESID`` elements on)
+    for the leaf stage.
     ``VARLEN``: a packed layout, ``p_blk0`` the sink of each block (``sequence_start``);
     ``MASKED``: the mean is over the positions ``p_qok`` marks (``tile_reduce="mass"`` in a
     packed layout, whose row holds zeros between sequences' queries)."""
@@ -586,12 +587,14 @@ def _pyramid_walk_kernel(
         b_mean = mean_rows(p_qh, s_q, tl.zeros([GP], dtype=tl.int32) + (pos - (Tk - Tq)), o_h,
                            m_row, Tq, ROWS.QT, ROWS.D, ROWS.DP, p_qok, MASKED)
         b_q, b_ql = split_rows(b_mean, p_rows.dtype.element_ty)
-        o_d = tl.arange(0, ROWS.DP)
-        p_st = p_rh + i_t.to(tl.int64) * s_rt + o_h.to(tl.int64)[:, None] * s_rh + o_d[None, :]
-        m_st = m_row[:, None] & (o_d < ROWS.D)[None, :]
-        tl.store(p_st, b_q, mask=m_st)
-        if ROWS.RESID > 0:
-            tl.store(p_st + ROWS.RESID, b_ql, mask=m_st)
+        if KEEP_ROWS:  # the qmean leaf stage reads them; the mass kernel reads tokens
+            o_d = tl.arange(0, ROWS.DP)
+            p_st = p_rh + i_t.to(tl.int64) * s_rt + o_h.to(tl.int64)[:, None] * s_rh \
+                + o_d[None, :]
+            m_st = m_row[:, None] & (o_d < ROWS.D)[None, :]
+            tl.store(p_st, b_q, mask=m_st)
+            if ROWS.RESID > 0:
+                tl.store(p_st + ROWS.RESID, b_ql, mask=m_st)
         r_lo = i_t
         r_hi = i_t + 1
     else:
@@ -945,10 +948,11 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
     score = Scoring(SCORER_ID["lse" if bound else cfg.scorer], bound, min_offset, sum_resid)
     off = device_offsets(tuple(pyramid.offsets), q.device)
     rows, row_resid = q, 0
-    if mean:  # written by the walk kernel, read by the leaf stage
+    if mean:  # the walk's mean rows, 16-bit head + residual; written for the qmean leaf stage
         parts = 1 if q.dtype == torch.float32 or not launch.residuals else 2
-        rows = torch.empty(B, n_tiles, HQ, parts, D, dtype=q.dtype, device=q.device)
         row_resid = D if parts == 2 else 0
+        if not mass:  # (the mass kernel reads the tokens themselves: nothing written)
+            rows = torch.empty(B, n_tiles, HQ, parts, D, dtype=q.dtype, device=q.device)
 
     # Walk rows: a tile's tokens in chunks of <= WALK_ROWS rows (heads padded to >= 16 rows).
     TB = max(1, min(row_tokens, WALK_ROWS // pow2(G)))
@@ -972,7 +976,7 @@ def _launch_select(q, k, cfg: SelectConfig, pyramid: Pyramid, block_idx, counts,
         q, rows, summaries, pyramid.counts, off, keys, blk0, q_ok, Tq, Tk, n_tiles, tile0,
         n_levels, branching ** (n_levels - 2), cfg.scale, n_par, n_chunk, chunk,
         *strides_of(q), *strides_of(rows), *strides_of(summaries), walk_rows, tree, score, varlen,
-        masked, num_warps=launch.walk_warps, num_stages=stages)
+        masked, mean and not mass, num_warps=launch.walk_warps, num_stages=stages)
 
     top_p = min(tree.PAR_SLOTS_P * BRANCH_P, pow2(cfg.topk))
     if mass:
