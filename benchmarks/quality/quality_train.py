@@ -431,9 +431,9 @@ def _arm_spec(spec: str) -> tuple[str, int | None]:
     arm, _, k = spec.partition(":")
     if arm == "dense":
         return arm, None
-    if arm not in ("pisa", "pisa_qt1", "flat_mean", "flat_lse") or not k.isdigit():
-        raise ValueError("arm spec must be 'dense' or '<pisa|pisa_qt1|flat_mean|flat_lse>:<K>', "
-                         f"got {spec!r}")
+    sparse = [a for a in ARMS if a != "dense"]
+    if arm not in sparse or not k.isdigit():
+        raise ValueError(f"arm spec must be 'dense' or '<{'|'.join(sparse)}>:<K>', got {spec!r}")
     return arm, int(k)
 
 

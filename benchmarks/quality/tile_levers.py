@@ -18,6 +18,9 @@ GQA group's summed block LSE, forced blocks in; C = 64, K = 16). Arms:
   the mean query's best 24 / 32 candidates only); ``msub{1,2,4}``: the same over 1, 2, 4
   sub-tile mean queries.
 
+``--study library`` runs only the library's selections: ``defaults`` and ``mass_K{16,17,18,20}``
+(``pisa_select(tile_reduce="mass", topk=K', beam=16)``, the knob built from ``msum``).
+
     python benchmarks/quality/tile_levers.py --length 8192 \
         --json benchmarks/results/select_v3_levers_smollm2_cpu.json
 """
@@ -38,6 +41,7 @@ from pisa import pisa_select
 from pisa.ops.select import tiles_to_tokens
 
 K, C, QT = 16, 64, 16
+MASS_KS = (16, 17, 18, 20)
 
 
 def block_lse(q, k):
@@ -64,8 +68,9 @@ def top_mask(score, causal, forced, k):
     return m & causal[:, None]
 
 
-def layer_levers(q, k):
-    """``{arm: mass ratio (or union size)}`` for one layer's ``q [T, HQ, D]``, ``k [T, H, D]``."""
+def layer_levers(q, k, study="levers"):
+    """``{arm: mass ratio (or union size)}`` for one layer's ``q [T, HQ, D]``, ``k [T, H, D]``;
+    ``study="library"`` measures only the library's own selections (``defaults``, ``mass_K*``)."""
     T, HQ, D = q.shape
     H, N = k.shape[1], -(-T // C)
     G = HQ // H
@@ -92,6 +97,10 @@ def layer_levers(q, k):
         return m.scatter_(-1, torch.where(idx < 0, N, idx.long()), True)[..., :N]
 
     add("defaults", select())
+    if study == "library":
+        for kt in MASS_KS:
+            add(f"mass_K{kt}", select(tile_reduce="mass", topk=kt, beam=16))
+        return row
     for kt in (20, 24, 32):
         add(f"qmean_K{kt}", select(topk=kt, beam=16))
     cand = select(topk=80, beam=16)
@@ -150,6 +159,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--layers", type=int, nargs="+", default=None, help="default: every layer")
     ap.add_argument("--model", default=None, help="as pisa eval's (default: SmolLM2)")
+    ap.add_argument("--study", choices=("levers", "library"), default="levers")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from pisa.eval.corpus import corpus, token_samples
@@ -163,7 +173,7 @@ def main() -> None:
     for layer in sorted(qk):
         t0 = time.time()
         q, k = (x[0].float() for x in qk.pop(layer))
-        got = layer_levers(q, k)
+        got = layer_levers(q, k, args.study)
         print(layer, {a: round(v, 4) for a, v in got.items()}, f"{time.time() - t0:.0f}s",
               flush=True)
         rows += [{"layer": layer, "T": args.length, "arm": a, "value": v} for a, v in got.items()]

@@ -17,9 +17,12 @@ from .tasks import VOCAB_SIZE
 
 # arm -> the selection knobs ``pisa_attn`` runs (dense attends to every causal key with SDPA):
 # "pisa" the library defaults (selection v2: 16-token tiles, bound scorer, beam_leaf = 2 K),
-# "pisa_qt1" the first wave's per-token walk, the flat selectors per token
+# "pisa_qt1" the first wave's per-token walk, "pisa_mass" tiles ranked by their tokens' summed
+# shares (``tile_reduce="mass"``, selection v3) under a beam of 16 whatever K, the flat selectors
+# per token
 PER_TOKEN = dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None)
 ARMS = {"dense": None, "pisa": {}, "pisa_qt1": dict(PER_TOKEN),
+        "pisa_mass": dict(tile_reduce="mass", beam=16),
         "flat_mean": dict(selector="flat_mean", query_tile=1),
         "flat_lse": dict(selector="flat_lse", query_tile=1)}
 
@@ -28,12 +31,13 @@ ARMS = {"dense": None, "pisa": {}, "pisa_qt1": dict(PER_TOKEN),
 class GPTConfig:
     """Model shape and attention arm.
 
-    arm: "dense" | "pisa" | "pisa_qt1" | "flat_mean" | "flat_lse". The sparse arms attend
-        ``topk`` blocks of ``block_size`` keys per query (forced sink/previous/current blocks
+    arm: "dense" | "pisa" | "pisa_qt1" | "pisa_mass" | "flat_mean" | "flat_lse". The sparse arms
+        attend ``topk`` blocks of ``block_size`` keys per query (forced sink/previous/current blocks
         inside the budget); "pisa" finds them with the library's default walk (query tiles,
         bound scorer, ``beam_leaf=32``) at beam ``beam`` (default ``topk``), "pisa_qt1" with the
-        first wave's per-token walk (``PER_TOKEN``), the flat arms by scoring every causal block
-        per token (mean key / exact LSE).
+        first wave's per-token walk (``PER_TOKEN``), "pisa_mass" with 16-token tiles ranked by
+        their tokens' summed softmax shares (``tile_reduce="mass"``, beam 16), the flat arms by
+        scoring every causal block per token (mean key / exact LSE).
     backend: ``pisa_attn`` backend ("auto": Triton on CUDA, torch on CPU).
     """
 
@@ -69,9 +73,9 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        sparse = {} if cfg.arm == "dense" else dict(
-            topk=cfg.topk, block_size=cfg.block_size, beam=cfg.beam, backend=cfg.backend,
-            **ARMS[cfg.arm])
+        sparse = {} if cfg.arm == "dense" else {  # the arm's knobs over the config's
+            **dict(topk=cfg.topk, block_size=cfg.block_size, beam=cfg.beam, backend=cfg.backend),
+            **ARMS[cfg.arm]}
         self.attn_norm = nn.RMSNorm(cfg.width)
         self.attn = PisaAttention(cfg.width, cfg.heads, cfg.kv_heads, rope_theta=cfg.rope_theta,
                                   attn="dense" if cfg.arm == "dense" else "pisa", **sparse)

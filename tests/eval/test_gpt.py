@@ -12,7 +12,7 @@ def _pair(arm, **kw):
     return dense.eval(), sparse.eval()
 
 
-@pytest.mark.parametrize("arm", ["pisa", "pisa_qt1", "flat_mean", "flat_lse"])
+@pytest.mark.parametrize("arm", ["pisa", "pisa_qt1", "pisa_mass", "flat_mean", "flat_lse"])
 def test_sparse_arm_is_dense_within_k_blocks_sparse_beyond_and_dense_when_switched(arm, rng):
     dense, sparse = _pair(arm)
     with torch.no_grad():

@@ -49,6 +49,13 @@ def test_levers_grow_with_the_budget_and_unions_bound_the_picks():
                or a.endswith("_mass"))
 
 
+def test_library_study_measures_the_mass_knob_monotone_in_k():
+    got = _script("quality/tile_levers.py").layer_levers(*_qk(4096, seed=2), "library")
+    assert set(got) == {"defaults", "mass_K16", "mass_K17", "mass_K18", "mass_K20"}
+    assert got["mass_K16"] <= got["mass_K17"] <= got["mass_K18"] <= got["mass_K20"]
+    assert all(0.5 < v < 2 for v in got.values())
+
+
 def test_mass_rows_override_reaches_the_run_and_is_undone(tmp_path, tiny_model_dirs, monkeypatch):
     mod = _script("quality/mass_rows_ppl.py")
     out = tmp_path / "ppl.json"
