@@ -73,9 +73,9 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        sparse = {} if cfg.arm == "dense" else {  # the arm's knobs over the config's
-            **dict(topk=cfg.topk, block_size=cfg.block_size, beam=cfg.beam, backend=cfg.backend),
-            **ARMS[cfg.arm]}
+        sparse = {} if cfg.arm == "dense" else dict(  # the arm's knobs over the config's
+            topk=cfg.topk, block_size=cfg.block_size, beam=cfg.beam, backend=cfg.backend) \
+            | ARMS[cfg.arm]
         self.attn_norm = nn.RMSNorm(cfg.width)
         self.attn = PisaAttention(cfg.width, cfg.heads, cfg.kv_heads, rope_theta=cfg.rope_theta,
                                   attn="dense" if cfg.arm == "dense" else "pisa", **sparse)

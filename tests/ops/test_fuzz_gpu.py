@@ -7,23 +7,23 @@ the flat exact scan).
 Per case:
 - selection: Triton on fp32 inputs equals the torch backend on the same inputs but for near-ties
   (>= 99% of rows; the kernels score in another order);
-- attention: Triton on bf16 inputs, outputs poisoned with NaN before the kernels run, against an
-  fp64 reference of softmax attention restricted to the same selection (output, LSE and the
+- attention: Triton on bf16 inputs, outputs poisoned with NaN before the kernels run, against the
+  fp32 masked reference (``attn.common.dense_masked_reference``) over the same selection (output, LSE and the
   gradients of a loss through both), to bf16 relative tolerances;
 - packed sequences: each sequence's rows are checked against its own reference.
 """
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
 
 from pisa import pisa_attn, pisa_attn_varlen, pisa_select, pisa_select_varlen
-from pisa.ops.utils.config import resolve_config
+from pisa.ops.utils.config import SelectConfig, resolve_config
 from pisa.ops.utils.csr import token_rows
 
+from .attn.common import dense_masked_reference, rel_err
 from .select.common import rows_equal
 
 pytestmark = [pytest.mark.gpu,
@@ -34,7 +34,7 @@ KNOBS = {"defaults": {}, "mass": dict(tile_reduce="mass"),
          "per_token": dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None),
          "flat_lse": dict(selector="flat_lse", query_tile=1)}
 N_CASES = 40
-C = 64  # the default block size (no case sets another)
+C = SelectConfig.block_size  # no case sets another
 REL = 2e-2  # bf16 inputs, fp32 accumulation: relative error of a whole output / gradient
 
 
@@ -53,31 +53,6 @@ def draw_case(i: int) -> dict:
                 lens=lens, knobs=list(KNOBS)[i % len(KNOBS)], seed=i)
 
 
-def reference(q, k, v, idx, C, scale, query_tile):
-    """fp64 softmax attention of ``q [B, T, HQ, D]`` over the selected blocks of ``idx``
-    (per tile or per token), causal; ``(o [B, T, HQ, D], lse [B, HQ, T])``."""
-    B, T, HQ, D = q.shape
-    HKV = k.shape[2]
-    rows = token_rows(idx, T, T, query_tile).long()                       # [B, T, HKV, S]
-    nb = -(-T // C)
-    blocks = torch.zeros(B, T, HKV, nb + 1, dtype=torch.bool, device=q.device)
-    blocks.scatter_(-1, torch.where(rows < 0, nb, rows), True)
-    allowed = blocks[..., :nb].repeat_interleave(C, -1)[..., :T]          # [B, T, HKV, T]
-    pos = torch.arange(T, device=q.device)
-    allowed &= (pos[None, :] <= pos[:, None])[None, :, None]
-    allowed = allowed.repeat_interleave(HQ // HKV, 2).permute(0, 2, 1, 3)  # [B, HQ, T, T]
-    kk, vv = (x.double().repeat_interleave(HQ // HKV, 2) for x in (k, v))
-    s = scale * torch.einsum("bthd,bshd->bhts", q.double(), kk)
-    s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    return torch.einsum("bhts,bshd->bthd", torch.exp(s - lse[..., None]), vv), lse
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def inputs(case, dtype):
     gen = torch.Generator(device="cuda").manual_seed(case["seed"])
     B, T, HKV, G, D = case["B"], case["T"], case["HKV"], case["G"], case["D"]
@@ -89,8 +64,8 @@ def inputs(case, dtype):
 
 def check_attention(leaves, o, lse, reference_fn, what):
     """``o``, ``lse`` and the gradients of ``(o * do).sum() + (lse * dlse).sum()`` in the bf16
-    ``leaves`` against ``reference_fn(*fp64 leaves) -> (o, lse)``."""
-    refs = [x.detach().double().requires_grad_() for x in leaves]
+    ``leaves`` against ``reference_fn(*fp32 leaves) -> (o, lse)``."""
+    refs = [x.detach().float().requires_grad_() for x in leaves]
     o_ref, lse_ref = reference_fn(*refs)
     assert bool(torch.isfinite(o).all()) and bool(torch.isfinite(lse).all()), f"{what}: not finite"
     assert rel_err(o, o_ref) < REL, f"{what}: output {rel_err(o, o_ref):.2e}"
@@ -116,10 +91,11 @@ def test_gpu_fuzz_select_and_attend(i, poison_outputs, poison_empty):
         assert rows_equal(got, want) >= 0.99, f"{what}: selection"
         q, k, v = (x.requires_grad_() for x in inputs(case, torch.bfloat16))
         tile = resolve_config(q, k, "triton", **knobs).query_tile
-        idx, _ = pisa_select(q, k, backend="triton", **knobs)
+        idx = token_rows(pisa_select(q, k, backend="triton", **knobs)[0], case["T"], case["T"],
+                         tile)
         o, lse = pisa_attn(q, k, v, return_lse=True, backend="triton", **knobs)
         check_attention((q, k, v), o, lse,
-                        lambda *x: reference(*x, idx, C, scale, tile), what)
+                        lambda *x: dense_masked_reference(*x, idx, C, scale), what)
         return
     cu = torch.tensor([0] + case["lens"], device="cuda").cumsum(0).to(torch.int32)
     mx = max(case["lens"])
@@ -136,8 +112,8 @@ def test_gpu_fuzz_select_and_attend(i, poison_outputs, poison_empty):
 
     def packed_reference(q, k, v):
         """Each sequence alone over its rows of the packed selection (ids from its start)."""
-        outs = [reference(q[a:b][None], k[a:b][None], v[a:b][None], idx[a:b][None], C, scale, 1)
-                for a, b in spans]
+        outs = [dense_masked_reference(q[a:b][None], k[a:b][None], v[a:b][None],
+                                       idx[a:b][None], C, scale) for a, b in spans]
         return torch.cat([x[0][0] for x in outs]), torch.cat([x[1][0] for x in outs], -1)
 
     check_attention((q, k, v), o, lse, packed_reference, what)
