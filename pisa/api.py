@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from .cache import PisaCache
-from .ops.attn import sparse_attn
+from .ops.attn import dense_causal_attn, sparse_attn
 from .ops.select import select
 from .ops.utils.config import (BEAM_LEAF, DECODE_DEFAULTS, SCORER, TILE_REDUCE, SelectConfig,
-                               check_block_idx, check_block_idx_values, check_qk, n_query_tiles,
+                               check_block_idx, check_block_idx_values, check_nonnegative_int,
+                               check_qk, n_query_tiles,
                                resolve_backend, resolve_config)
 from .ops.utils.varlen import VarlenLayout, check_varlen, varlen_layout
 
@@ -156,6 +157,19 @@ def _given_tile(block_idx: torch.Tensor, q: torch.Tensor, query_tile: int) -> in
     return 1 if per_token else query_tile
 
 
+def _runs_dense(dense_below, q, k, block_idx, return_lse: bool) -> bool:
+    """Whether ``pisa_attn``'s ``dense_below`` sends this call to dense attention."""
+    check_nonnegative_int("dense_below", dense_below)
+    if not dense_below or k.shape[1] > dense_below or q.shape[1] != k.shape[1] \
+            or block_idx is not None:
+        return False
+    if return_lse:
+        raise ValueError(f"dense_below={dense_below} would run dense attention on this "
+                         f"{k.shape[1]}-key call, which cannot return the lse: pass "
+                         "dense_below=0 with return_lse=True")
+    return True
+
+
 @_knob_docs
 def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = _C,
               topk: int = _K, branching: int = _G, beam: int | None = None,
@@ -165,7 +179,7 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
               scale: float | None = None, query_tile: int | None = None,
               tile_reduce: str = TILE_REDUCE, return_lse: bool = False,
               block_idx: torch.Tensor | None = None, deterministic: bool = False,
-              backend: str = "auto"):
+              dense_below: int = 0, backend: str = "auto"):
     """PISA attention: pyramid block selection, then exact causal attention over those blocks.
 
     Arguments:
@@ -185,6 +199,13 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     deterministic: bool. Make the backward bitwise reproducible (the Triton dK/dV pass then
         sums a block's split query chunks in a fixed order instead of with atomics; slightly
         slower). The torch backend always is. Default False.
+    dense_below: int. Run exact dense causal attention (torch SDPA: cuDNN / FlashAttention on
+        CUDA) instead of PISA when a self-attention call (``seqlen_q == seqlen_k``, no
+        ``block_idx``) has at most this many keys: below a crossover that depends on the model
+        shape, selection and block overheads make PISA slower than dense (``docs/selection_v3.md``
+        measures it on the H200: about 8K for the Llama-3-8B shape). Not with ``return_lse``
+        (SDPA does not return it; ``ValueError``). Default 0: always PISA, so that a quality
+        measurement at short context measures the sparse attention.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype. Differentiable in q, k, v; the
@@ -201,6 +222,8 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if _runs_dense(dense_below, q, k, block_idx, return_lse):
+        return dense_causal_attn(q, k, v, cfg.scale)
     tile = cfg.query_tile
     if block_idx is not None:
         tile = _given_tile(block_idx, q, tile)

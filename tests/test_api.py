@@ -27,6 +27,43 @@ def test_queries_within_first_k_blocks_get_dense_causal_attention(rng):
                                rtol=1e-10, atol=1e-10)
 
 
+
+def test_dense_below_runs_exact_dense_attention_up_to_its_length(rng):
+    """``dense_below``: self-attention calls of at most that many keys are dense causal attention
+    (with gradients, GQA and the scale), longer ones and decode rows stay sparse."""
+    C, K, T = 8, 4, 200
+    q, k, v = _qkv(Tq=T, Tk=T, dtype=torch.float64, grad=True)
+    kw = dict(block_size=C, topk=K, backend="torch", scale=0.2)
+    o = pisa_attn(q, k, v, dense_below=T, **kw)
+    ref = naive_dense_attn(q, k, v, 0.2)[0]
+    torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    sparse = pisa_attn(q, k, v, **kw)
+    assert (sparse - ref).abs().max() > 1e-3, "beyond K blocks the default is sparse"
+    torch.testing.assert_close(pisa_attn(q, k, v, dense_below=T - 1, **kw), sparse)
+    row = pisa_attn(q[:, -1:], k, v, dense_below=T, **kw)  # decode: seqlen_q != seqlen_k
+    torch.testing.assert_close(row, pisa_attn(q[:, -1:], k, v, **kw))
+
+
+@pytest.mark.parametrize("value, err, msg", [(-1, ValueError, "dense_below must be >= 0"),
+                                             (8.0, TypeError, "dense_below must be an int")])
+def test_dense_below_rejects_bad_values(value, err, msg):
+    with pytest.raises(err, match=msg):
+        pisa_attn(*_qkv(), dense_below=value, backend="torch")
+
+
+def test_dense_below_refuses_return_lse_when_it_would_run_dense():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="dense_below=128 would run dense attention"):
+        pisa_attn(q, k, v, dense_below=128, return_lse=True, backend="torch")
+    o, lse = pisa_attn(q, k, v, dense_below=64, return_lse=True, backend="torch")  # 100 > 64
+    assert lse.shape == (1, 4, 100)
+
+
 def test_decode_row_equals_prefill_row(rng):
     """A single query at the end of the keys (decode) sees what prefill row T-1 sees (per-token
     selection: a query tile's row depends on the other tokens of its tile)."""

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..api import pisa_attn
 from ..distributed import LAYOUTS, pisa_attn_cp, shard_layout
-from ..ops.utils.config import KNOBS, SelectConfig, check_knobs, check_positive_int
+from ..ops.attn import dense_causal_attn
+from ..ops.utils.config import (KNOBS, SelectConfig, check_knobs, check_nonnegative_int,
+                                check_positive_int)
 
 ATTN_MODES = ("pisa", "dense")
 # The ``pisa_attn`` keyword arguments a layer forwards (``return_lse`` and ``block_idx`` depend on
 # the call, not the layer).
-PISA_KWARGS = KNOBS + ("deterministic", "backend")
+PISA_KWARGS = KNOBS + ("deterministic", "dense_below", "backend")
 
 
 def rotary_tables(seqlen: int, head_dim: int, theta: float, device, offset: int = 0,
@@ -48,7 +49,9 @@ def _check_pisa_kwargs(pisa_kwargs: dict) -> None:
     deterministic = pisa_kwargs.get("deterministic", False)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    knobs = {name: value for name, value in pisa_kwargs.items() if name != "deterministic"}
+    check_nonnegative_int("dense_below", pisa_kwargs.get("dense_below", 0))
+    knobs = {name: value for name, value in pisa_kwargs.items()
+             if name not in ("deterministic", "dense_below")}
     check_knobs(**{"backend": "auto", **knobs})  # pisa_attn's default backend
 
 
@@ -71,7 +74,7 @@ class PisaAttention(nn.Module):
         cp_layout: ``"zigzag"`` (default) or ``"contiguous"``, the shards' layout.
         **pisa_kwargs: forwarded to ``pisa_attn`` (block_size, topk, branching, beam,
             beam_leaf, beam_ref_len, scorer, selector, forced_in_budget, scale, query_tile,
-            tile_reduce, deterministic, backend), checked here at
+            tile_reduce, deterministic, dense_below, backend), checked here at
             construction (``pisa.ops.utils.config.check_knobs``; with ``backend="auto"`` the
             block size is bounded by the widest range, the torch one). ``scale`` (default
             ``head_dim ** -0.5``) is the softmax scale on every path, SDPA included.
@@ -112,11 +115,14 @@ class PisaAttention(nn.Module):
         if cp_group is not None and attn != "pisa":
             raise ValueError("cp_group needs attn='pisa' (context parallelism runs pisa_attn_cp)")
         self.cp_group, self.cp_layout = cp_group, cp_layout
+        pisa_kwargs = dict(pisa_kwargs)
+        dense_below = pisa_kwargs.pop("dense_below", 0)
         self.rope_theta, self.attn, self.pisa_kwargs = rope_theta, attn, pisa_kwargs
         scale = pisa_kwargs.get("scale")
         self.scale = None if scale is None else float(scale)  # SDPA's None is head_dim ** -0.5
-        self.dense_up_to = (pisa_kwargs.get("topk", SelectConfig.topk)
-                            * pisa_kwargs.get("block_size", SelectConfig.block_size))
+        # Up to K * C keys the selection takes every block (PISA is dense attention there).
+        self.dense_up_to = max(dense_below, pisa_kwargs.get("topk", SelectConfig.topk)
+                               * pisa_kwargs.get("block_size", SelectConfig.block_size))
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
@@ -146,9 +152,7 @@ class PisaAttention(nn.Module):
             return self.o_proj(o.reshape(B, T, -1))
         q, k, v = self.qkv(x)
         if self.attn == "dense" or T <= self.dense_up_to:
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads).transpose(1, 2)
+            o = dense_causal_attn(q, k, v, self.scale)
         else:
             o = pisa_attn(q, k, v, **self.pisa_kwargs)
         return self.o_proj(o.reshape(B, T, -1))

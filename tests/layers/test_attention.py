@@ -56,6 +56,9 @@ def test_short_context_skips_the_sparse_kernels(monkeypatch):
     attn(torch.randn(1, 49, 32))
     assert calls == [1]
     assert PisaAttention(32, 4, 2).dense_up_to == 16 * 64  # pisa_attn's defaults
+    assert PisaAttention(32, 4, 2, dense_below=8192).dense_up_to == 8192
+    with pytest.raises(ValueError, match="dense_below must be >= 0"):
+        PisaAttention(32, 4, 2, dense_below=-1)
 
 
 def test_layer_rejects_bad_head_counts():

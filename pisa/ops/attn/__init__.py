@@ -99,3 +99,14 @@ def sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, *, cfg: Sele
     o, lse = _attn_op(q, k, v, block_idx, cfg.block_size, cfg.scale, backend,
                       bool(deterministic), tile)
     return o, lse.float()
+
+
+def dense_causal_attn(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    """Exact causal self-attention by torch SDPA (cuDNN / FlashAttention on CUDA, where they
+    take the inputs): ``q [B, T, HQ, D]``, ``k, v [B, T, HKV, D]`` (GQA when ``HKV < HQ``);
+    ``scale`` None is ``D ** -0.5``.
+    Returns ``o [B, T, HQ, D]``, differentiable in q, k, v."""
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)

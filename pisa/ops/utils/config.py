@@ -177,6 +177,13 @@ def _check_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
 
 
+def check_nonnegative_int(name: str, value) -> None:
+    """``TypeError`` unless ``value`` is an int, ``ValueError`` unless it is >= 0; both name it."""
+    _check_int(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
 def check_positive_int(name: str, value) -> None:
     """``TypeError`` unless ``value`` is an int, ``ValueError`` unless it is >= 1; both name it."""
     _check_int(name, value)
