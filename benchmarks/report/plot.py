@@ -6,8 +6,8 @@ file together: a sweep saved in pieces plots as one).
     python benchmarks/report/plot.py benchmarks/results/history/decode_h200.json \
         --out docs/decode_h200.png --ops decode --batches 1 16
     python benchmarks/report/plot.py benchmarks/results/select_v3_final_h200/v3_{final,long}_*.json \
-        benchmarks/results/select_v3_final_h200/v3_nsa_A.json --out docs/select_v3_h200.png \
-        --ops fwdbwd --by-shape
+        benchmarks/results/select_v3_final_h200/v3_nsa_A.json benchmarks/results/train_h200_v2.json \
+        --out docs/select_v3_h200.png --ops fwdbwd --by-shape
 
 ``--by-shape`` draws a panel per model shape (HQ / HKV / D) as well as per op.
 """
