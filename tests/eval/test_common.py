@@ -48,9 +48,10 @@ def test_arm_knobs_are_checked_on_top_of_the_run_knobs():
 
 def test_selection_defaults_are_the_integrations():
     pytest.importorskip("transformers", minversion="5.0")
-    from pisa.integrations.hf import PISA_DEFAULTS
+    from pisa.integrations.hf import MODEL_KNOBS, PISA_DEFAULTS
     assert SELECTION_DEFAULTS == {k: PISA_DEFAULTS[k] for k in SELECTION_DEFAULTS}
-    assert set(ARM_KNOBS) == set(PISA_DEFAULTS) - {"backend"}
+    # an arm sets pisa_attn's knobs; the model's (pisa_layers) are not arm knobs
+    assert set(ARM_KNOBS) == set(PISA_DEFAULTS) - {"backend", *MODEL_KNOBS}
 
 
 def test_model_path_takes_a_directory_with_config_or_a_gguf_file(tmp_path):

@@ -320,3 +320,95 @@ def test_left_padded_generate_equals_documents_one_at_a_time(rng):
         got = sparse.generate(ids, attention_mask=mask, **kw)[:, T:]
         for i, d in enumerate(docs):
             assert torch.equal(got[i], sparse.generate(d[None], **kw)[0, len(d):])
+
+
+# Hybrid models: config.pisa_layers (the other layers run transformers' sdpa attention).
+def test_no_pisa_layers_equals_sdpa_past_k_blocks_and_one_layer_counts_one_call(rng,
+                                                                              monkeypatch):
+    dense, sparse = _pair()
+    ids = torch.randint(0, 128, (2, 3 * FITS))
+    calls = CountCalls(monkeypatch)
+    with torch.no_grad():
+        ref, every = dense(ids).logits, sparse(ids).logits
+        sparse.config.pisa_layers = []
+        torch.testing.assert_close(sparse(ids).logits, ref, rtol=1e-4, atol=1e-5)
+        sparse.config.pisa_layers = [1]
+        hybrid = sparse(ids).logits
+    assert calls.shapes == [(3 * FITS, 3 * FITS)] * 3  # 2 layers, then none, then layer 1 alone
+    assert (hybrid[:, FITS:] - ref[:, FITS:]).abs().max() > 1e-3, "layer 1 is sparse"
+    assert (hybrid[:, FITS:] - every[:, FITS:]).abs().max() > 1e-3, "layer 0 is dense"
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_dense_layers_of_a_padded_batch_equal_sdpa_on_the_real_tokens(rng, side):
+    """The packed-batch mask the dense layers build: the real tokens' logits equal the sdpa
+    model's on the same padded batch; padding positions and the gradients stay finite."""
+    dense, sparse = _pair(layers=[])
+    ids, mask, position_ids = _padded(_docs(), side)
+    with torch.no_grad():
+        got = sparse(ids, attention_mask=mask, position_ids=position_ids).logits
+        ref = dense(ids, attention_mask=mask, position_ids=position_ids).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(got).all()
+    # training: padding queries (they see one key, their output zeroed) give finite gradients
+    sparse(ids, attention_mask=mask, position_ids=position_ids).logits[real].sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in sparse.parameters() if p.grad is not None)
+
+
+def test_hybrid_packed_batch_equals_documents_one_at_a_time(rng):
+    """A packed row through a hybrid model: the dense layer attends each document alone too."""
+    from transformers import DataCollatorWithFlattening
+    _, sparse = _pair(layers=[0])
+    docs = _docs()
+    batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
+    batch.pop("labels")
+    with torch.no_grad():
+        got = sparse(**batch).logits[0]
+    torch.testing.assert_close(got, torch.cat(_one_at_a_time(sparse, docs)), rtol=1e-4,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [[], [1]])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "pisa"])
+def test_hybrid_chunked_prefill_and_decode_equal_one_forward(rng, cache_kind, layers):
+    """Chunked prefill and decode steps through dense layers (bottom-right causal: SDPA's own
+    ``is_causal`` would be top-left in the chunk) give the rows of one full forward. A budget of
+    every block makes the PISA layer exact too, so every row compares."""
+    _, sparse = _pair(layers=layers)
+    ids = torch.randint(0, 128, (1, 3 * FITS + 3))
+    sparse.config.pisa_topk = -(-ids.shape[1] // C)
+    L = FITS + 5
+    with torch.no_grad():
+        ref = sparse(ids).logits
+        cache = pisa_hf.PisaHFCache(sparse.config, ids.shape[1]) if cache_kind == "pisa" \
+            else None
+        out = sparse(ids[:, :L], cache=cache, use_cache=True)
+        rows = [out.logits]
+        out = sparse(ids[:, L:L + FITS], cache=out.past_key_values, use_cache=True)  # a chunk
+        rows.append(out.logits)
+        for t in range(L + FITS, ids.shape[1]):
+            out = sparse(ids[:, t:t + 1], cache=out.past_key_values, use_cache=True)
+            rows.append(out.logits)
+    torch.testing.assert_close(torch.cat(rows, dim=1), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layers,exc,msg", [
+    ("0", TypeError, "config.pisa_layers must be None or a list"),
+    (3, TypeError, "config.pisa_layers must be None or a list"),
+    ([0, 1.0], TypeError, "must hold int layer indices"),
+    ([True], TypeError, "must hold int layer indices"),
+    ([2], ValueError, r"in \[0, num_hidden_layers=2\), got 2"),
+    ([-1], ValueError, r"in \[0, num_hidden_layers=2\), got -1"),
+])
+def test_bad_pisa_layers_raise_naming_the_attribute(layers, exc, msg):
+    _, sparse = _pair(layers=layers)
+    with pytest.raises(exc, match=msg), torch.no_grad():
+        sparse(torch.randint(0, 128, (1, 8)))
+
+
+def test_pisa_layers_is_a_model_knob_not_a_pisa_attn_one():
+    assert pisa_hf.PISA_DEFAULTS["layers"] is None
+    config = type("Config", (), {"pisa_layers": [0], "num_hidden_layers": 2})()
+    assert "layers" not in pisa_hf.pisa_knobs(config)
+    assert pisa_hf.pisa_layers_of(config) == {0}

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from pisa import PisaAttention, pisa_attn
+from pisa.ops.attn import dense_causal_attn
 
 
 class TinyGPT(nn.Module):
@@ -122,3 +123,108 @@ def test_layer_accepts_every_good_knob():
                           backend="auto")
     assert layer.num_kv_heads == 4 and layer.scale == 1.0
     assert layer(torch.randn(1, 40, 32)).shape == (1, 40, 32)  # sparse: 40 > 4 * 8
+
+
+# Training branches: window, compressed, their gates.
+def _masked_reference(q, k, v, allowed, scale):
+    """fp64 softmax attention over ``allowed [Tq, Tk]`` keys (shared by batch and heads)."""
+    G = q.shape[2] // k.shape[2]
+    kk, vv = (x.double().repeat_interleave(G, dim=2) for x in (k, v))
+    s = torch.einsum("bthd,bshd->bhts", q.double(), kk) * scale
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("bhts,bshd->bthd", p, vv)
+
+
+@pytest.mark.parametrize("window,T", [(1, 50), (3, 50), (2, 64), (4, 37)])
+@pytest.mark.parametrize("query_tile", [None, 1])
+def test_window_branch_is_exact_attention_over_the_last_blocks(rng, window, T, query_tile):
+    layer = PisaAttention(32, 4, 2, block_size=8, topk=4, window=window, query_tile=query_tile)
+    q, k, v = layer.qkv(torch.randn(2, T, 32))
+    pos = torch.arange(T)
+    allowed = (pos[None, :] <= pos[:, None]) \
+        & (pos[None, :] // 8 >= pos[:, None] // 8 - window + 1)
+    ref = _masked_reference(q, k, v, allowed, layer.head_dim ** -0.5)
+    torch.testing.assert_close(layer.window_attn(q, k, v).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_window_covering_every_block_is_dense_causal(rng):
+    layer = PisaAttention(32, 4, 2, block_size=8, topk=4, window=7)
+    q, k, v = layer.qkv(torch.randn(1, 56, 32))
+    torch.testing.assert_close(layer.window_attn(q, k, v), dense_causal_attn(q, k, v, None),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_compressed_branch_is_the_coarse_op_on_the_layers_blocks(rng):
+    from pisa.ops.coarse.naive import naive_coarse_attn
+    layer = PisaAttention(32, 4, 2, block_size=8, topk=4, compressed=True, scale=0.3)
+    q, k, v = layer.qkv(torch.randn(2, 45, 32))
+    ref, _ = naive_coarse_attn(q, k, v, 8, 0.3)
+    torch.testing.assert_close(layer.compressed_attn(q, k, v).double(), ref, rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["pisa", "dense"])
+def test_layer_output_is_core_plus_gated_branches(rng, attn):
+    """``o = o_sel + sigmoid(g_win) * o_win + sigmoid(g_cmp) * o_cmp`` per head, with the gates
+    of a linear layer on x (random weights here, not the initial zeros)."""
+    layer = PisaAttention(32, 4, 2, block_size=8, topk=4, window=2, compressed=True, attn=attn)
+    plain = PisaAttention(32, 4, 2, block_size=8, topk=4, attn=attn)
+    plain.load_state_dict(layer.state_dict(), strict=False)
+    torch.nn.init.normal_(layer.gate.weight)
+    x = torch.randn(2, 70, 32)
+    with torch.no_grad():
+        q, k, v = layer.qkv(x)
+        g = torch.sigmoid(layer.gate(x)).view(2, 70, 4, 2)
+        o = g[..., 0, None] * layer.window_attn(q, k, v) \
+            + g[..., 1, None] * layer.compressed_attn(q, k, v)
+        want = plain(x) + layer.o_proj(o.flatten(2))
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_closed_gates_give_the_plain_pisa_layer_and_gates_start_small(rng):
+    layer = PisaAttention(32, 4, 2, block_size=8, topk=4, window=3, compressed=True)
+    assert layer.branches == ("window", "compressed") and layer.gate.out_features == 8
+    assert not layer.gate.weight.abs().max()
+    torch.testing.assert_close(torch.sigmoid(layer.gate.bias), torch.full((8,), 0.0474),
+                               atol=1e-4, rtol=0)
+    plain = PisaAttention(32, 4, 2, block_size=8, topk=4)
+    plain.load_state_dict(layer.state_dict(), strict=False)
+    x = torch.randn(2, 70, 32)
+    with torch.no_grad():
+        assert (layer(x) - plain(x)).abs().max() > 1e-4, "open gates add the branches"
+        layer.gate.bias.fill_(-1e4)  # sigmoid = 0 exactly
+        torch.testing.assert_close(layer(x), plain(x), rtol=0, atol=0)
+    assert not hasattr(plain, "gate") or plain.gate is None
+
+
+def test_branches_train_the_gates_and_the_key_value_projections(rng):
+    """The branches alone (no core output in the loss) give gradients to the projections (the
+    compressed branch to k and v through the pooling) and to the gate."""
+    layer = PisaAttention(32, 4, 2, block_size=8, topk=4, compressed=True)
+    x = torch.randn(2, 70, 32)
+    q, k, v = layer.qkv(x)
+    loss = layer.gated_branches(x, q, k, v).square().sum()
+    loss.backward()
+    for name in ("k_proj", "v_proj", "q_proj", "gate"):
+        grad = getattr(layer, name).weight.grad
+        assert grad is not None and grad.abs().max() > 0, name
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(window=-1), ValueError, "window must be >= 0"),
+    (dict(window=2.0), TypeError, "window must be an int"),
+    (dict(compressed="yes"), TypeError, "compressed must be a bool"),
+    (dict(compressed=True, cp_group=object()), ValueError, "not context-parallel"),
+])
+def test_branch_knobs_are_checked(kwargs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        PisaAttention(32, 4, 2, **kwargs)
+
+
+def test_branches_train_in_a_gpt(rng):
+    model = TinyGPT(block_size=8, topk=4, window=2, compressed=True)
+    ids = torch.randint(0, 50, (2, 90))
+    loss = nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert all(float(b.gate.weight.grad.abs().max()) > 0 for b in model.blocks)

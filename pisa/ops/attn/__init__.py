@@ -110,3 +110,19 @@ def dense_causal_attn(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> T
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
         enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2)
+
+
+def window_block_idx(batch: int, n_queries: int, n_keys: int, n_kv_heads: int, window: int,
+                     block_size: int, query_tile: int, device=None) -> Tensor:
+    """A sliding-window selection: each row of queries (a tile of ``query_tile`` absolute
+    positions, or a token for ``1``) gets the last ``window`` blocks up to its own, ``max(cur -
+    window + 1, 0) .. cur`` ascending, ``-1`` padded at the end (early rows): ``[batch,
+    n_query_tiles(n_queries, n_keys, query_tile), n_kv_heads, window]`` int32, a valid
+    ``block_idx`` of ``sparse_attn`` / ``pisa_attn`` (the kernels mask causally inside the
+    current block). A query thus sees between ``(window - 1) * C + 1`` and ``window * C`` keys."""
+    rows = n_query_tiles(n_queries, n_keys, query_tile)
+    first = (torch.arange(rows, device=device) + (n_keys - n_queries) // query_tile) * query_tile
+    cur = (first // block_size)[:, None]  # a tile lies inside one block
+    ids = (cur - window + 1).clamp_min(0) + torch.arange(window, device=device)
+    ids = torch.where(ids <= cur, ids, -1).to(torch.int32)
+    return ids[None, :, None, :].expand(batch, rows, n_kv_heads, window).contiguous()

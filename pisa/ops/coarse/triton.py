@@ -1,0 +1,267 @@
+"""The coarse branch in Triton: forward, dQ and dK/dV (of the nodes) kernels.
+
+Semantics are those of ``naive.naive_coarse_attn``. The nodes (mean-pooled complete blocks,
+``torch_backend.pool_blocks``) are made by torch in q's dtype before the kernels, so the pooling's
+own backward (each key gets ``1 / C`` of its node's gradient) is torch's, and the kernels see a
+plain attention over ``N = Tk // C`` nodes whose visibility is causal at node granularity: query
+``t_abs`` sees node ``j`` iff ``j < (t_abs + 1) // C``.
+
+Forward and dQ: one program per (``BM`` consecutive queries, batch x query head) loops over the
+node tiles up to the last one its last query sees (online softmax in base 2; the backward
+recomputes the probabilities from the saved LSE, FlashAttention style). dK/dV: one program per
+(``BN`` nodes, batch x KV head) loops over the group's query heads and the queries from the first
+that sees its first node. Saved memory is O(N): inputs, output and LSE.
+
+``PISA_TRITON_POISON=1`` allocates outputs filled with NaN (``utils.op.empty``; tests prove every
+element is written).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils.geometry import cdiv, pow2
+from ..utils.op import (LOG2E, LOG2E_K, dot_nt, dot_pv, empty, online_softmax_step,
+                        softmax_output)
+from ..utils.triton_utils import F32_PREC
+from .torch_backend import pool_blocks
+
+
+class CoarseShape(NamedTuple):
+    """The compile-time shape of a coarse program (one ``tl.constexpr``)."""
+
+    G: int    # query heads per KV head
+    BM: int   # queries a forward / dQ program, and a dK/dV step
+    BN: int   # nodes a step (forward / dQ) or a program (dK/dV)
+    D: int    # head dim
+    DP: int   # D padded to a power of two
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _rows(p, o_row, m_row, s_t, D: tl.constexpr, DP: tl.constexpr):
+    """``[len(o_row), DP]`` rows at token offsets ``o_row`` (token stride ``s_t``), zero-padded."""
+    o_d = tl.arange(0, DP)
+    m = m_row[:, None] & (o_d < D)[None, :]
+    return tl.load(p + o_row.to(tl.int64)[:, None] * s_t + o_d[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _store(p, o_row, m_row, s_t, x, D: tl.constexpr, DP: tl.constexpr):
+    o_d = tl.arange(0, DP)
+    m = m_row[:, None] & (o_d < D)[None, :]
+    tl.store(p + o_row.to(tl.int64)[:, None] * s_t + o_d[None, :], x.to(p.dtype.element_ty),
+             mask=m)
+
+
+@triton.jit
+def _visible(o_tok, o_node, t_first, C):
+    """``[rows, nodes]``: which nodes each query sees (its complete blocks so far)."""
+    n_vis = (t_first + o_tok + 1) // C
+    return o_node[None, :] < n_vis[:, None]
+
+
+@triton.jit
+def _coarse_fwd_kernel(p_q, p_kc, p_vc, p_o, p_lse, s_qb, s_q, s_kb, s_k, s_ob, s_o,
+                       Tq, N, t_first, C, scale_log2, HQ, SHAPE: tl.constexpr):
+    G: tl.constexpr = SHAPE.G
+    BM: tl.constexpr = SHAPE.BM
+    BN: tl.constexpr = SHAPE.BN
+    D: tl.constexpr = SHAPE.D
+    DP: tl.constexpr = SHAPE.DP
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hq = i_bh // HQ, i_bh % HQ
+    s_qt, s_qh = s_q
+    s_kt, s_kh = s_k
+    s_ot, s_oh = s_o
+    o_tok = i_m * BM + tl.arange(0, BM)
+    m_tok = o_tok < Tq
+    p_qh = p_q + i_b.to(tl.int64) * s_qb + i_hq * s_qh
+    b_q = _rows(p_qh, o_tok, m_tok, s_qt, D, DP)
+    p_kh = p_kc + i_b.to(tl.int64) * s_kb + (i_hq // G) * s_kh
+    p_vh = p_vc + i_b.to(tl.int64) * s_kb + (i_hq // G) * s_kh
+    b_m = tl.full([BM], float("-inf"), tl.float32)
+    b_l = tl.zeros([BM], tl.float32)
+    b_acc = tl.zeros([BM, DP], tl.float32)
+    # the nodes the program's last query sees: later tiles would be masked out entirely
+    n_hi = tl.minimum(N, (t_first + tl.minimum((i_m + 1) * BM, Tq)) // C)
+    for n0 in range(0, n_hi, BN):
+        o_node = n0 + tl.arange(0, BN)
+        m_node = o_node < N
+        b_k = _rows(p_kh, o_node, m_node, s_kt, D, DP)
+        b_v = _rows(p_vh, o_node, m_node, s_kt, D, DP)
+        b_s = dot_nt(b_q, b_k, F32_PREC) * scale_log2
+        b_s = tl.where(_visible(o_tok, o_node, t_first, C), b_s, float("-inf"))
+        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, F32_PREC)
+    b_o, b_lse = softmax_output(b_m, b_l, b_acc)
+    _store(p_o + i_b.to(tl.int64) * s_ob + i_hq * s_oh, o_tok, m_tok, s_ot, b_o, D, DP)
+    tl.store(p_lse + i_bh.to(tl.int64) * Tq + o_tok, b_lse, mask=m_tok)
+
+
+@triton.jit
+def _lse_log2(p_lse, p_delta, i_bh, o_tok, m_tok, Tq):
+    """A query tile's LSE in log2 units (0 on rows without a node: their logits are all -inf, so
+    their probabilities stay 0) and its ``delta = rowsum(dO * O)``."""
+    b_lse = tl.load(p_lse + i_bh.to(tl.int64) * Tq + o_tok, mask=m_tok, other=0.0)
+    b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E_K)
+    return b_lse, tl.load(p_delta + i_bh.to(tl.int64) * Tq + o_tok, mask=m_tok, other=0.0)
+
+
+@triton.jit
+def _coarse_dq_kernel(p_q, p_kc, p_vc, p_do, p_lse, p_delta, p_dq, s_qb, s_q, s_kb, s_k,
+                      Tq, N, t_first, C, scale, HQ, SHAPE: tl.constexpr):
+    G: tl.constexpr = SHAPE.G
+    BM: tl.constexpr = SHAPE.BM
+    BN: tl.constexpr = SHAPE.BN
+    D: tl.constexpr = SHAPE.D
+    DP: tl.constexpr = SHAPE.DP
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hq = i_bh // HQ, i_bh % HQ
+    s_qt, s_qh = s_q
+    s_kt, s_kh = s_k
+    o_tok = i_m * BM + tl.arange(0, BM)
+    m_tok = o_tok < Tq
+    o_qh = i_b.to(tl.int64) * s_qb + i_hq * s_qh  # q, dO and dQ share q's layout
+    b_q = _rows(p_q + o_qh, o_tok, m_tok, s_qt, D, DP)
+    b_do = _rows(p_do + o_qh, o_tok, m_tok, s_qt, D, DP)
+    b_lse, b_delta = _lse_log2(p_lse, p_delta, i_bh, o_tok, m_tok, Tq)
+    p_kh = p_kc + i_b.to(tl.int64) * s_kb + (i_hq // G) * s_kh
+    p_vh = p_vc + i_b.to(tl.int64) * s_kb + (i_hq // G) * s_kh
+    b_dq = tl.zeros([BM, DP], tl.float32)
+    n_hi = tl.minimum(N, (t_first + tl.minimum((i_m + 1) * BM, Tq)) // C)
+    for n0 in range(0, n_hi, BN):
+        o_node = n0 + tl.arange(0, BN)
+        m_node = o_node < N
+        b_k = _rows(p_kh, o_node, m_node, s_kt, D, DP)
+        b_v = _rows(p_vh, o_node, m_node, s_kt, D, DP)
+        b_s = dot_nt(b_q, b_k, F32_PREC) * (scale * LOG2E_K)
+        b_s = tl.where(_visible(o_tok, o_node, t_first, C), b_s, float("-inf"))
+        b_p = tl.exp2(b_s - b_lse[:, None])
+        b_ds = b_p * (dot_nt(b_do, b_v, F32_PREC) - b_delta[:, None])
+        b_dq += dot_pv(b_ds, b_k, F32_PREC)
+    _store(p_dq + o_qh, o_tok, m_tok, s_qt, b_dq * scale, D, DP)
+
+
+@triton.jit
+def _coarse_dkv_kernel(p_q, p_kc, p_vc, p_do, p_lse, p_delta, p_dkc, p_dvc, s_qb, s_q, s_kb,
+                       s_k, Tq, N, t_first, C, scale, HQ, HKV, SHAPE: tl.constexpr):
+    G: tl.constexpr = SHAPE.G
+    BM: tl.constexpr = SHAPE.BM
+    BN: tl.constexpr = SHAPE.BN
+    D: tl.constexpr = SHAPE.D
+    DP: tl.constexpr = SHAPE.DP
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    s_qt, s_qh = s_q
+    s_kt, s_kh = s_k
+    o_node = i_n * BN + tl.arange(0, BN)
+    m_node = o_node < N
+    o_kh = i_b.to(tl.int64) * s_kb + i_h * s_kh  # kc, vc, dkc and dvc share kc's layout
+    b_k = _rows(p_kc + o_kh, o_node, m_node, s_kt, D, DP)
+    b_v = _rows(p_vc + o_kh, o_node, m_node, s_kt, D, DP)
+    b_dk = tl.zeros([BN, DP], tl.float32)
+    b_dv = tl.zeros([BN, DP], tl.float32)
+    # the first query that sees the tile's first node: (i_n * BN + 1) * C - 1 <= t_first + t
+    t_lo = tl.maximum((i_n * BN + 1) * C - 1 - t_first, 0)
+    for g in range(G):
+        i_hq = i_h * G + g
+        o_qh = i_b.to(tl.int64) * s_qb + i_hq * s_qh
+        for t0 in range(t_lo // BM * BM, Tq, BM):
+            o_tok = t0 + tl.arange(0, BM)
+            m_tok = o_tok < Tq
+            b_q = _rows(p_q + o_qh, o_tok, m_tok, s_qt, D, DP)
+            b_do = _rows(p_do + o_qh, o_tok, m_tok, s_qt, D, DP)
+            b_lse, b_delta = _lse_log2(p_lse, p_delta, i_b * HQ + i_hq, o_tok, m_tok, Tq)
+            b_s = dot_nt(b_q, b_k, F32_PREC) * (scale * LOG2E_K)
+            m_s = _visible(o_tok, o_node, t_first, C) & m_tok[:, None]
+            b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.0)
+            b_dv += dot_pv(tl.trans(b_p), b_do, F32_PREC)
+            b_ds = b_p * (dot_nt(b_do, b_v, F32_PREC) - b_delta[:, None])
+            b_dk += dot_pv(tl.trans(b_ds), b_q, F32_PREC)
+    _store(p_dkc + o_kh, o_node, m_node, s_kt, b_dk * scale, D, DP)
+    _store(p_dvc + o_kh, o_node, m_node, s_kt, b_dv, D, DP)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+# Queries and nodes a program tile: 64 x 64 (tl.dot needs >= 16 on the GPU; tests shrink them).
+_BM, _BN = 64, 64
+
+
+def _shape(q: torch.Tensor, HKV: int) -> CoarseShape:
+    D = q.shape[-1]
+    return CoarseShape(q.shape[2] // HKV, _BM, _BN, D, max(16, pow2(D)))
+
+
+def _strides(x: torch.Tensor):
+    """``x [B, T, H, D]`` (contiguous in D): its batch stride and ``(token, head)`` strides."""
+    return x.stride(0), (x.stride(1), x.stride(2))
+
+
+def coarse_fwd_triton(q, kc, vc, t_first: int, block_size: int, scale: float):
+    """``o [B, Tq, HQ, D]`` (q's dtype) and ``lse [B, HQ, Tq]`` fp32 of ``q`` (absolute positions
+    ``t_first ..``) over the nodes ``kc, vc [B, N, HKV, D]`` (q's dtype, contiguous)."""
+    B, Tq, HQ, D = q.shape
+    N, HKV = kc.shape[1], kc.shape[2]
+    shape = _shape(q, HKV)
+    o = empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
+    lse = empty(B, HQ, Tq, dtype=torch.float32, device=q.device)
+    grid = (cdiv(Tq, shape.BM), B * HQ)
+    _coarse_fwd_kernel[grid](q, kc, vc, o, lse, *_strides(q), *_strides(kc), *_strides(o),
+                             Tq, N, t_first, block_size, scale * LOG2E, HQ, shape)
+    return o, lse
+
+
+def coarse_bwd_triton(do, q, kc, vc, o, lse, t_first: int, block_size: int, scale: float):
+    """``dq`` (q's dtype) and ``dkc, dvc`` (the nodes' dtype) of ``coarse_fwd_triton``."""
+    B, Tq, HQ, D = q.shape
+    N, HKV = kc.shape[1], kc.shape[2]
+    shape = _shape(q, HKV)
+    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # [B, HQ, Tq]
+    dq = empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
+    dkc = empty(B, N, HKV, D, dtype=torch.float32, device=q.device)
+    dvc = empty(B, N, HKV, D, dtype=torch.float32, device=q.device)
+    args = (*_strides(q), *_strides(kc), Tq, N, t_first, block_size, scale, HQ)
+    _coarse_dq_kernel[(cdiv(Tq, shape.BM), B * HQ)](q, kc, vc, do, lse, delta, dq, *args, shape)
+    if N:
+        _coarse_dkv_kernel[(cdiv(N, shape.BN), B * HKV)](q, kc, vc, do, lse, delta, dkc, dvc,
+                                                         *args, HKV, shape)
+    return dq, dkc.to(kc.dtype), dvc.to(vc.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
+class CoarseAttnTriton(torch.autograd.Function):
+    """``(q, kc, vc) -> (o, lse)`` by the kernels above; saves inputs, ``o`` and ``lse`` (O(N)).
+    ``lse`` gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, kc, vc, t_first: int, block_size: int, scale: float):
+        o, lse = coarse_fwd_triton(q, kc, vc, t_first, block_size, scale)
+        ctx.save_for_backward(q, kc, vc, o, lse)
+        ctx.args = (t_first, block_size, scale)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, kc, vc, o, lse = ctx.saved_tensors
+        dq, dkc, dvc = coarse_bwd_triton(do.contiguous(), q, kc, vc, o, lse, *ctx.args)
+        return dq, dkc, dvc, None, None, None
+
+
+def coarse_attn_triton(q, k, v, block_size: int, scale: float):
+    """The coarse branch of ``q [B, Tq, HQ, D]`` over ``k, v [B, Tk, HKV, D]`` by the Triton
+    kernels: ``o`` (q's dtype; differentiable in q, k, v) and ``lse [B, HQ, Tq]`` fp32. The nodes
+    are pooled in fp32 and rounded to q's dtype (the kernels' dot operands)."""
+    kc = pool_blocks(k, block_size, torch.float32).to(q.dtype).contiguous()
+    vc = pool_blocks(v, block_size, torch.float32).to(q.dtype).contiguous()
+    return CoarseAttnTriton.apply(q.contiguous(), kc, vc, k.shape[1] - q.shape[1], block_size,
+                                  scale)
