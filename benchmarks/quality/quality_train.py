@@ -28,13 +28,35 @@ Protocol
   sparse from the first phase longer than K * C (2048 for K = 16).
 - Arms (``pisa.eval.gpt.ARMS``): dense; pisa (the library defaults: selection v2) and pisa_qt1
   (the first wave's per-token walk) at K = 8 and 16; flat_mean and flat_lse at K = 16 (C = 64,
-  W = K; per token). Schedules:
+  W = K; per token); nsa (``nsa:16``, issue 26): fla's NSA as a peer (``pisa.eval.nsa_arm``:
+  fla-core's ``parallel_nsa`` with its per-head gates, mean-pooled compressed branch and a
+  64-token sliding window; K = 16 selected blocks of C = 64 a token, forced sink / previous /
+  current inside the count, as PISA's budget; the window lies inside the forced blocks).
+  Schedules:
   "sparse" (sparse from step 0) and "warmup" (dense for the first ``--warmup-frac`` of the steps,
   then sparse; default 0.7, past the curriculum's start where every block fits the budget — a
   warm-up that ends inside it would equal the sparse run and is rejected). Dense rows carry
   schedule "sparse" (dense attention from step 0). Seeds 0, 1, 2: the seed sets the
   initialisation and the training data stream, so arms of one seed see the same batches; the
   evaluation data are the same for every run.
+- NSA-compatible shape: fla's NSA kernels need a GQA group ``HQ / HKV`` that is a power of two
+  >= 16 (and a head dim in [16, 256]; ``pisa/eval/nsa_arm.py`` lists what fla needs), so the
+  default 4 / 2 heads cannot run the nsa arm. PISA's Triton attention takes head dims 16, 32,
+  64, 128, 256 (``pisa/ops/attn/triton.py``; 16 <= D <= 256 overall, ``check_qk``) and any
+  group. The smallest shape both run keeps the width and the query/output projections:
+  ``--heads 16 --kv-heads 1 --head-dim 16`` (width 256 = 16 x 16; K/V projections 256 -> 16;
+  one selection per KV head shared by the 16 query heads, in both libraries). Every arm of a
+  comparison runs in that one shape (``--head-dim`` decouples the head width from
+  ``--width``; ``--head-dim 64`` is the same group at the default head width, 4x the
+  attention). nsa runs do not resume the dense stems (``--share-start``): NSA is not dense
+  while ``T <= K * C`` (its gated branches add up at any length), so they train from step 0;
+  the step count, the batches and the tokens per step stay those of every other run;
+  ``meta.runs`` reports each run's ``train_seconds`` (wall time).
+
+      pip install 'pisa[nsa]'  # fla-core (or: pip install --no-deps fla-core einops)
+      PYTHONPATH=. python benchmarks/quality/quality_train.py --launch --out $OUT \
+          --arms dense pisa:16 flat_lse:16 nsa:16 --warmup-arms --sweep --seeds 0 1 2 \
+          --heads 16 --kv-heads 1 --head-dim 16
 - Same steps for every run: each run compiles its kernels, waits for all others, times a few
   steps under full contention, and the launcher sets one step count for all from those paces and
   the time left (``plan_steps``; ``--steps`` fixes it instead). ``--time-budget`` is a hard wall:
@@ -78,7 +100,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import meta, write_result
 
-from pisa.eval.gpt import ARMS, GPT, GPTConfig
+from pisa.eval.gpt import ARM_NAMES, GPT, GPTConfig, dense_within_budget
+from pisa.eval.nsa_arm import check_nsa_shape
 from pisa.eval.tasks import TASKS, ByteCorpus, lm_eval_windows, lm_windows, make_task
 
 TRAIN_TASKS = ("lm",) + tuple(TASKS)
@@ -174,8 +197,9 @@ def _sync(device: str) -> None:
 
 def _model(args) -> GPT:
     return GPT(GPTConfig(width=args.width, depth=args.depth, heads=args.heads,
-                         kv_heads=args.kv_heads, mlp_hidden=args.mlp, arm=args.arm,
-                         topk=args.topk, block_size=args.block_size, backend=args.backend))
+                         kv_heads=args.kv_heads, head_dim=args.head_dim, mlp_hidden=args.mlp,
+                         arm=args.arm, topk=args.topk, block_size=args.block_size,
+                         backend=args.backend))
 
 
 def _optimizer(model: GPT, args) -> torch.optim.AdamW:
@@ -428,12 +452,15 @@ def run_one(args) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def _arm_spec(spec: str) -> tuple[str, int | None]:
-    arm, _, k = spec.partition(":")
-    if arm == "dense":
+    """``"dense"`` -> ``("dense", None)``; ``"<arm>:<K>"`` -> ``(arm, K)`` for the sparse arms
+    (``pisa:16``, ``flat_lse:16``, ``nsa:16``: K blocks a token, ``nsa``'s block count)."""
+    arm, colon, k = spec.partition(":")
+    if arm == "dense" and not colon:
         return arm, None
-    sparse = [a for a in ARMS if a != "dense"]
-    if arm not in sparse or not k.isdigit():
-        raise ValueError(f"arm spec must be 'dense' or '<{'|'.join(sparse)}>:<K>', got {spec!r}")
+    sparse = [a for a in ARM_NAMES if a != "dense"]
+    if arm not in sparse or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"arm spec must be 'dense' or '<{'|'.join(sparse)}>:<K>' with K >= 1 "
+                         f"(blocks a token), got {spec!r}")
     return arm, int(k)
 
 
@@ -457,7 +484,11 @@ def plan(args) -> list[dict]:
             arm, k = _arm_spec(spec)
             if arm == "dense" and schedule == "warmup":
                 raise ValueError("--warmup-arms: the dense arm has no warm-up schedule")
-            fits = dense_share(args.phases, args.train_T, k * args.block_size) if k else 0.0
+            if arm == "nsa":  # every run would fail at its model: say so before launching
+                check_nsa_shape(args.heads, args.kv_heads, args.head_dim or args.width //
+                                args.heads, args.block_size, k)
+            fits = dense_share(args.phases, args.train_T, k * args.block_size) \
+                if k and dense_within_budget(arm) else 0.0  # nsa is never dense
             if schedule == "warmup" and args.warmup_frac <= fits:
                 raise ValueError(f"--warmup-frac {args.warmup_frac}: {spec} attends every block "
                                  f"for the first {fits:g} of the steps anyway (T <= K * C), so "
@@ -475,9 +506,9 @@ def plan(args) -> list[dict]:
     return runs
 
 
-SHARED = ("train_T", "batch", "width", "depth", "heads", "kv_heads", "mlp", "block_size",
-          "backend", "warmup_frac", "lr_warmup", "min_lr_frac", "wd", "clip", "eval_examples",
-          "lm_windows", "lm_past", "eval_tokens", "log_every", "device", "threads")
+SHARED = ("train_T", "batch", "width", "depth", "heads", "kv_heads", "head_dim", "mlp",
+          "block_size", "backend", "warmup_frac", "lr_warmup", "min_lr_frac", "wd", "clip",
+          "eval_examples", "lm_windows", "lm_past", "eval_tokens", "log_every", "device", "threads")
 LISTS = ("test_T", "curriculum", "eval_beams")  # list-valued options every run shares
 
 
@@ -486,12 +517,21 @@ def stem_steps(args, runs: list[dict]) -> int:
     attention (``T <= K * C`` for every sparse run; ``PisaAttention`` runs SDPA there, as the
     dense arm does), the same initialisation, data and learning rate per seed. One stem per seed
     trains them and every run of that seed resumes from its state (``--share-start``; the step
-    count must be fixed). 0: nothing to share."""
-    reach = min((r["K"] * args.block_size for r in runs if r["K"]), default=None)
+    count must be fixed). Runs of arms that are never dense (nsa: ``resumes_stem`` False) train
+    from step 0 and do not bound it. 0: nothing to share."""
+    reach = min((r["K"] * args.block_size for r in runs if r["K"] and resumes_stem(r)),
+                default=None)
     if args.steps is None or not args.share_start or reach is None:
         return 0
     return next((s for s in range(args.steps) if length_at(s, args.steps, args)[1] > reach),
                 args.steps)
+
+
+def resumes_stem(run: dict) -> bool:
+    """Whether ``run`` resumes its seed's dense stem (with ``--share-start``): its arm computes
+    dense attention while every block fits (``pisa.eval.gpt.dense_within_budget``), and it is
+    not a learning-rate sweep run."""
+    return dense_within_budget(run.get("arm", "dense")) and not run.get("sweep", False)
 
 
 def stem_key(args, seed: int, steps: int) -> dict:
@@ -647,7 +687,7 @@ def launch(args) -> dict:
     waiting = {}  # seed -> runs that resume its stem once it is saved
     stems = []
     for run in runs:
-        if shared_steps and not run["sweep"]:
+        if shared_steps and resumes_stem(run):
             waiting.setdefault(run["seed"], []).append(run)
     for seed in waiting:
         stems.append({"name": f"stem_s{seed}", "arm": "dense", "K": None, "seed": seed,
@@ -662,7 +702,7 @@ def launch(args) -> dict:
                  s["name"] + (" (reused)" if s["name"] not in procs else "") for s in stems),
              log)
     for i, run in enumerate(runs):  # round robin over the GPUs, as plan_steps assumes
-        if run["seed"] not in waiting or run["sweep"]:
+        if run["seed"] not in waiting or not resumes_stem(run):  # sweeps, nsa: from step 0
             start(run, i, [])
     calib = None if args.steps is not None else \
         calibrate(procs, runs, work / "sync", t0 + args.ready_timeout, deadlines[0],
@@ -790,6 +830,11 @@ def summary(result: dict) -> str:
 # Command line
 # ------------------------------------------------------------------------------------------------
 
+def _optional_int(text: str) -> int | None:
+    """An int, or "None" (how ``_child_argv`` passes an unset ``--head-dim``)."""
+    return None if text == "None" else int(text)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--launch", action="store_true", help="run the whole suite (parallel runs)")
@@ -820,7 +865,7 @@ def parse_args(argv=None):
                     help="GPUs the runs are spread over (default: every visible one)")
     # one run
     ap.add_argument("--run", default="run", help="run name (file names)")
-    ap.add_argument("--arm", default="dense", choices=tuple(ARMS))
+    ap.add_argument("--arm", default="dense", choices=ARM_NAMES)
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schedule", default="sparse", choices=SCHEDULES)
@@ -844,6 +889,9 @@ def parse_args(argv=None):
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=_optional_int, default=None,
+                    help="per-head width (default width // heads); the nsa arm needs heads / "
+                         "kv-heads >= 16: e.g. --heads 16 --kv-heads 1 --head-dim 16")
     ap.add_argument("--mlp", type=int, default=768)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--backend", default="auto")

@@ -1,7 +1,9 @@
-"""A small GPT whose attention is a switch: dense, PISA (pyramid selection) or a flat selector.
+"""A small GPT whose attention is a switch: dense, PISA (pyramid selection), a flat selector, or
+a peer library's sparse attention (fla's NSA).
 
-Pre-norm decoder blocks: RMSNorm -> ``PisaAttention`` (RoPE, GQA) -> residual, RMSNorm -> SwiGLU
-MLP -> residual; final RMSNorm; the output head is the token embedding (tied).
+Pre-norm decoder blocks: RMSNorm -> ``PisaAttention`` (RoPE, GQA; ``NSAAttention`` for the "nsa"
+arm, the same projections and RoPE) -> residual, RMSNorm -> SwiGLU MLP -> residual; final
+RMSNorm; the output head is the token embedding (tied).
 """
 from __future__ import annotations
 
@@ -25,20 +27,43 @@ ARMS = {"dense": None, "pisa": {}, "pisa_qt1": dict(PER_TOKEN),
         "pisa_mass": dict(tile_reduce="mass", beam=16),
         "flat_mean": dict(selector="flat_mean", query_tile=1),
         "flat_lse": dict(selector="flat_lse", query_tile=1)}
+# Peer arms: another library's sparse attention in the same model. "nsa": fla's NSA
+# (``pisa.eval.nsa_arm``; needs fla-core and a GQA group HQ / HKV = 16, 32, ...), ``topk``
+# selected blocks of ``block_size`` keys, its gates, compressed branch and sliding window.
+PEER_ARMS = ("nsa",)
+ARM_NAMES = tuple(ARMS) + PEER_ARMS
+
+
+def dense_within_budget(arm: str) -> bool:
+    """Whether ``arm`` computes dense attention while ``T <= K * C`` (dense and the ``pisa_attn``
+    arms: every block fits the budget), so a dense-trained start is its own start (the suite's
+    shared stems). NSA is never dense: its gated compressed and window branches add to the
+    selected attention at any length."""
+    return arm in ARMS
 
 
 @dataclass
 class GPTConfig:
     """Model shape and attention arm.
 
-    arm: "dense" | "pisa" | "pisa_qt1" | "pisa_mass" | "flat_mean" | "flat_lse". The sparse arms
-        attend ``topk`` blocks of ``block_size`` keys per query (forced sink/previous/current blocks
-        inside the budget); "pisa" finds them with the library's default walk (query tiles,
-        bound scorer, ``beam_leaf=32``) at beam ``beam`` (default ``topk``), "pisa_qt1" with the
-        first wave's per-token walk (``PER_TOKEN``), "pisa_mass" with 16-token tiles ranked by
-        their tokens' summed softmax shares (``tile_reduce="mass"``, beam 16), the flat arms by
-        scoring every causal block per token (mean key / exact LSE).
-    backend: ``pisa_attn`` backend ("auto": Triton on CUDA, torch on CPU).
+    arm: "dense" | "pisa" | "pisa_qt1" | "pisa_mass" | "flat_mean" | "flat_lse" | "nsa". The
+        sparse arms attend ``topk`` blocks of ``block_size`` keys per query (forced
+        sink/previous/current blocks inside the budget); "pisa" finds them with the library's
+        default walk (query tiles, bound scorer, ``beam_leaf=32``) at beam ``beam`` (default
+        ``topk``), "pisa_qt1" with the first wave's per-token walk (``PER_TOKEN``),
+        "pisa_mass" with 16-token tiles ranked by their tokens' summed softmax shares
+        (``tile_reduce="mass"``, beam 16), the flat arms by scoring every causal block per
+        token (mean key / exact LSE); "nsa" is fla's NSA (``pisa.eval.nsa_arm.NSAAttention``:
+        ``topk`` is its ``block_counts``, with ``block_size`` and a 64-token window) and needs
+        ``heads / kv_heads`` a power of two >= 16.
+    head_dim: per-head width (default ``width // heads``): NSA's group of 16 query heads fits
+        width 256 with ``head_dim=16``.
+    backend: ``pisa_attn`` backend ("auto": Triton on CUDA, torch on CPU); for "nsa", "auto"
+        is fla's ``parallel_nsa`` on CUDA and fla's naive reference on CPU ("triton" / "torch"
+        force them).
+    attn_kwargs: extra keyword arguments of the sparse arms' attention module, over the arm's
+        knobs: ``PisaAttention`` (``pisa_attn`` knobs) for the pisa and flat arms,
+        ``NSAAttention`` (e.g. ``window_size``) for "nsa"; refused for "dense".
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -47,16 +72,23 @@ class GPTConfig:
     heads: int = 4
     kv_heads: int = 2
     mlp_hidden: int = 768
+    head_dim: int | None = None
     rope_theta: float = 10000.0
     arm: str = "dense"
     topk: int = SelectConfig.topk
     block_size: int = SelectConfig.block_size
     beam: int | None = None
     backend: str = "auto"
+    attn_kwargs: dict | None = None
 
     def __post_init__(self):
-        if self.arm not in ARMS:
-            raise ValueError(f"arm must be one of {tuple(ARMS)}, got {self.arm!r}")
+        if self.arm not in ARM_NAMES:
+            raise ValueError(f"arm must be one of {ARM_NAMES}, got {self.arm!r}")
+        if self.attn_kwargs is not None and not isinstance(self.attn_kwargs, dict):
+            raise TypeError(f"attn_kwargs must be a dict or None, got {self.attn_kwargs!r}")
+        if self.attn_kwargs and self.arm == "dense":
+            raise ValueError(f"attn_kwargs {sorted(self.attn_kwargs)} apply to the sparse arms; "
+                             "the dense arm takes none")
 
 
 class SwiGLU(nn.Module):
@@ -73,12 +105,20 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        sparse = {} if cfg.arm == "dense" else dict(  # the arm's knobs over the config's
-            topk=cfg.topk, block_size=cfg.block_size, beam=cfg.beam, backend=cfg.backend) \
-            | ARMS[cfg.arm]
+        extra = cfg.attn_kwargs or {}
         self.attn_norm = nn.RMSNorm(cfg.width)
-        self.attn = PisaAttention(cfg.width, cfg.heads, cfg.kv_heads, rope_theta=cfg.rope_theta,
-                                  attn="dense" if cfg.arm == "dense" else "pisa", **sparse)
+        if cfg.arm == "nsa":
+            from .nsa_arm import NSAAttention  # imports fla: only this arm needs it
+            self.attn = NSAAttention(cfg.width, cfg.heads, cfg.kv_heads, head_dim=cfg.head_dim,
+                                     rope_theta=cfg.rope_theta, block_size=cfg.block_size,
+                                     block_counts=cfg.topk, backend=cfg.backend, **extra)
+        else:
+            sparse = {} if cfg.arm == "dense" else dict(  # the arm's knobs over the config's
+                topk=cfg.topk, block_size=cfg.block_size, beam=cfg.beam, backend=cfg.backend) \
+                | ARMS[cfg.arm] | extra
+            self.attn = PisaAttention(cfg.width, cfg.heads, cfg.kv_heads, head_dim=cfg.head_dim,
+                                      rope_theta=cfg.rope_theta,
+                                      attn="dense" if cfg.arm == "dense" else "pisa", **sparse)
         self.mlp_norm = nn.RMSNorm(cfg.width)
         self.mlp = SwiGLU(cfg.width, cfg.mlp_hidden)
 
@@ -112,8 +152,9 @@ class GPT(nn.Module):
         """Sparse arms: attend sparsely (``True``) or densely (``False``, the dense warm-up).
         The dense arm is always dense."""
         if self.cfg.arm != "dense":
+            mode = "nsa" if self.cfg.arm == "nsa" else "pisa"
             for block in self.blocks:
-                block.attn.attn = "pisa" if sparse else "dense"
+                block.attn.attn = mode if sparse else "dense"
 
     def set_beam(self, beam: int | None) -> None:
         """The pisa arms' walk beam from now on (``None``: ``topk``); the "pisa" arm's level-2
@@ -135,8 +176,9 @@ class GPT(nn.Module):
     def selection_knobs(self) -> dict:
         """``query_tile`` and ``beam_leaf`` its selection runs with now (``set_beam`` moves the
         "pisa" arm's level-2 beam); None where they do not apply: dense, and the level-2 beam
-        of the flat selectors and of the per-token walk (one beam)."""
-        if self.cfg.arm == "dense":
+        of the flat selectors and of the per-token walk (one beam); both None for nsa (fla's flat
+        top-k per token)."""
+        if self.cfg.arm in ("dense",) + PEER_ARMS:
             return {"query_tile": None, "beam_leaf": None}
         kw = self.blocks[0].attn.pisa_kwargs
         pyramid = kw.get("selector", "pyramid") == "pyramid"
@@ -145,10 +187,11 @@ class GPT(nn.Module):
 
     def set_context_parallel(self, group, layout: str = "zigzag") -> None:
         """Shard the sequence over the ranks of ``group`` from now on (``pisa.distributed``; the
-        sparse arms only): ``forward`` then takes this rank's shard of the ids
+        ``pisa_attn`` arms only): ``forward`` then takes this rank's shard of the ids
         (``pisa.distributed.shard``) and returns its rows of the logits. ``None`` turns it off."""
-        if self.cfg.arm == "dense":
-            raise ValueError("context parallelism needs a sparse arm (pisa_attn_cp), got 'dense'")
+        if self.cfg.arm == "dense" or self.cfg.arm not in ARMS:
+            raise ValueError("context parallelism needs a pisa_attn arm (pisa_attn_cp), got "
+                             f"{self.cfg.arm!r}")
         for block in self.blocks:
             block.attn.cp_group, block.attn.cp_layout = group, layout
 
