@@ -8,6 +8,7 @@ import torch
 from .cache import PisaCache
 from .ops.attn import dense_causal_attn, sparse_attn
 from .ops.select import select
+from .ops.utils.kernel_cache import precompile
 from .ops.utils.config import (BEAM_LEAF, DECODE_DEFAULTS, SCORER, TILE_REDUCE, SelectConfig,
                                check_block_idx, check_block_idx_values, check_nonnegative_int,
                                check_qk, n_query_tiles,
@@ -96,6 +97,14 @@ def _knob_docs(fn):
     return fn
 
 
+def _precompile(entry: str, backend: str, q: torch.Tensor, num_kv_heads: int, *grads) -> None:
+    """The first Triton call of a kind compiles its recorded kernels at once (``kernel_cache``);
+    ``grads``: the tensors whose ``requires_grad`` means a backward follows."""
+    if backend == "triton" and q.is_cuda:
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in grads)
+        precompile(entry, q, num_kv_heads, grad)
+
+
 def _empty_batch(q: torch.Tensor) -> bool:
     """A zero-size batch (``B = 0`` or ``Tq = 0``; zero heads or head dims fail ``check_qk``):
     the public functions return empty results of the right shapes without running an op."""
@@ -137,6 +146,7 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
     """
     check_qk(q, k)
     backend = resolve_backend(backend, q)
+    _precompile("pisa_select", backend, q, k.shape[-2])
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
                          beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
                          selector=selector, forced_in_budget=forced_in_budget, scale=scale,
@@ -214,6 +224,7 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     """
     check_qk(q, k, v)
     backend = resolve_backend(backend, q)
+    _precompile("pisa_attn", backend, q, k.shape[-2], q, k, v)
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
                          beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
                          selector=selector, forced_in_budget=forced_in_budget, scale=scale,
@@ -244,6 +255,7 @@ def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_qk(q[None], k[None], None if v is None else v[None])
     backend = resolve_backend(backend, q)
+    _precompile("varlen", backend, q, k.shape[-2], *(() if v is None else (q, k, v)))
     if backend == "naive":
         raise ValueError("backend='naive' has no packed-sequence form: use 'torch' or 'triton' "
                          "(or the naive pisa_attn on each sequence)")
@@ -471,6 +483,7 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
     rows = cache.prepare(q, k_new, v_new, cache_seqlens=cache_seqlens, block_table=block_table,
                          cache_batch_idx=cache_batch_idx)
     backend = resolve_backend(backend, q)
+    _precompile("kvcache", backend, q, cache.k_cache.shape[-2])
     # C and g are the cache's; selector="auto" and beam_ref_len go by its capacity
     cfg = _step_config(q, backend, seqlen_k=cache.max_seqlen, block_size=cache.block_size,
                        branching=cache.branching, topk=topk, beam=beam, beam_leaf=beam_leaf,

@@ -105,15 +105,8 @@ def time_ms(fn, device: str, reps: int = 3) -> float:
 def triton_variants() -> int:
     """Compiled variants of pisa's Triton kernels in this process, over every device: a call that
     raises it compiled (a new length that specialises a kernel shows up here)."""
-    from triton.runtime.jit import JITFunction
-    n = 0
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("pisa.ops.") or mod is None:
-            continue
-        for fn in vars(mod).values():
-            if isinstance(fn, JITFunction) and getattr(fn, "__module__", name) == name:
-                n += sum(len(caches[0]) for caches in fn.device_caches.values())
-    return n
+    from .ops.utils.kernel_cache import pisa_kernels
+    return sum(len(caches[0]) for fn in pisa_kernels() for caches in fn.device_caches.values())
 
 
 def peak_gb(device: str) -> float | None:

@@ -1,4 +1,4 @@
-"""Command line: ``pisa bench`` (the main job), ``pisa eval``, ``pisa --version``.
+"""Command line: ``pisa bench`` (the main job), ``pisa eval``, ``pisa warmup``, ``pisa --version``.
 
 Bad flag values end as argparse errors (usage, one ``error: argument --flag: ...`` line, exit
 code 2) before any work starts: ``check_flags`` for the flags the commands share, each eval task's
@@ -230,6 +230,44 @@ def _eval_parser(sub) -> None:
                           eval_parser=task)
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _warmup_parser(sub) -> argparse.ArgumentParser:
+    from .warmup import OPS
+    p = sub.add_parser("warmup", help="compile the Triton kernels of your shapes ahead of time "
+                       "and record them, so a fresh process compiles them in parallel")
+    p.add_argument("--shape", action="append", required=True, metavar="HQ/HKV/D",
+                   help="query heads / key-value heads / head dim, e.g. 32/8/128 (repeatable)")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS),
+                   help="train (pisa_attn fwd+bwd), prefill (no grad), decode (PisaCache and "
+                   "pisa_attn_with_kvcache); default all")
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192])
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--manifest", default=None,
+                   help="default $PISA_CACHE_DIR/kernels.json (~/.cache/pisa/kernels.json)")
+    _knob_arguments(p)
+    return p
+
+
+def warmup_main(args: argparse.Namespace) -> int:
+    import time
+
+    from .ops.utils.kernel_cache import user_manifest
+    from .warmup import parse_shape, warmup
+    shapes = [parse_shape(s) for s in args.shape]
+    t0 = time.perf_counter()
+    targets = warmup(shapes, ops=args.ops, lengths=args.lengths, dtype=DTYPES[args.dtype],
+                     device=args.device, manifest=args.manifest,
+                     **{name: getattr(args, name) for name in SELECT_DEFAULTS})
+    for tgt, keys in targets.items():
+        for key, entries in keys.items():
+            print(f"{tgt}  {key}: {len(entries)} kernel variants")
+    print(f"recorded in {args.manifest or user_manifest()} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``pisa`` parser and its ``bench`` subparser."""
     parser = argparse.ArgumentParser(prog="pisa", description="PISA block-sparse attention")
@@ -237,6 +275,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = _bench_parser(sub)
     _eval_parser(sub)
+    warm = _warmup_parser(sub)
+    warm.set_defaults(warmup_parser=warm)
     return parser, bench
 
 
@@ -263,6 +303,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{EVAL_INSTALL}", file=sys.stderr)
             return 1
         return args.eval_main(args, argv)
+    if args.command == "warmup":
+        try:
+            check_flags(vars(args))
+            from .warmup import parse_shape
+            for shape in args.shape:
+                parse_shape(shape)
+        except ValueError as e:
+            args.warmup_parser.error(str(e))
+        return warmup_main(args)
     return 2
 
 

@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[1] / "pisa"
 # one of equal rank only inside its own part.
 RANKS = [
     ("pisa.ops.utils", 0), ("pisa.ops.pyramid", 1), ("pisa.ops.select", 2), ("pisa.ops.attn", 2),
+    ("pisa.ops.coarse", 2),
     ("pisa.ops.decode", 3), ("pisa.results", 4), ("pisa.cache", 5), ("pisa.api", 6),
     ("pisa.distributed", 6), ("pisa.layers", 7), ("pisa.integrations", 7), ("pisa.eval", 8),
-    ("pisa.bench", 9), ("pisa.cli", 10), ("pisa.version", 0), ("pisa", 11),
+    ("pisa.bench", 9), ("pisa.warmup", 9), ("pisa.cli", 10), ("pisa.version", 0), ("pisa", 11),
 ]
 
 
@@ -90,7 +91,7 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-@pytest.mark.parametrize("package", ["pyramid", "select", "attn", "decode"])
+@pytest.mark.parametrize("package", ["pyramid", "select", "attn", "decode", "coarse"])
 def test_op_submodules_never_import_their_dispatch(package):
     """``ops/<op>/__init__`` dispatches to its implementations; they never import it back."""
     graph = _graph()

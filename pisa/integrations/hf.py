@@ -36,6 +36,7 @@ import torch
 try:
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 except ImportError as e:  # transformers 4 has no CacheLayerMixin
     raise ImportError("pisa.integrations.hf needs transformers >= 5: "
@@ -55,13 +56,15 @@ PISA_DEFAULTS = {"block_size": SelectConfig.block_size, "topk": SelectConfig.top
                  "beam_ref_len": None, "scorer": SCORER, "selector": SelectConfig.selector,
                  "forced_in_budget": SelectConfig.forced_in_budget,
                  "query_tile": None, "tile_reduce": TILE_REDUCE,
-                 "backend": "auto"}
+                 "backend": "auto", "layers": None}
+# Knobs of the model, not of pisa_attn: ``layers`` (``config.pisa_layers``, ``pisa_layers_of``).
+MODEL_KNOBS = ("layers",)
 
 
 def pisa_knobs(config) -> dict:
     """The ``pisa_attn`` keyword arguments of a model: ``config.pisa_<name>`` or the default."""
     return {name: getattr(config, f"pisa_{name}", default)
-            for name, default in PISA_DEFAULTS.items()}
+            for name, default in PISA_DEFAULTS.items() if name not in MODEL_KNOBS}
 
 
 @dataclass(frozen=True)
@@ -134,13 +137,94 @@ def _positions_batch(position_ids, query, key) -> PackedBatch | None:
     return seen
 
 
+def pisa_layers_of(config) -> frozenset[int] | None:
+    """``config.pisa_layers``, checked: None (default: every layer runs PISA) or the indices
+    (``layer_idx``, in ``[0, num_hidden_layers)``) of the layers that run PISA, the others running
+    transformers' sdpa attention (hybrid models, as MoBA keeps some full-attention layers).
+    ``TypeError`` / ``ValueError`` naming ``config.pisa_layers`` otherwise."""
+    layers = getattr(config, "pisa_layers", None)
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple, set, frozenset,
+                                                                   range)):
+        raise TypeError(f"config.pisa_layers must be None or a list of layer indices, got "
+                        f"{layers!r} ({type(layers).__name__})")
+    n = getattr(config, "num_hidden_layers", None)
+    for i in layers:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise TypeError(f"config.pisa_layers must hold int layer indices, got {i!r} "
+                            f"({type(i).__name__}) in {layers!r}")
+        if i < 0 or (n is not None and i >= n):
+            raise ValueError(f"config.pisa_layers must hold layer indices in [0, "
+                             f"num_hidden_layers={n}), got {i} in {layers!r}")
+    return frozenset(layers)
+
+
+def _runs_pisa(module) -> bool:
+    """Whether ``config.pisa_layers`` lets ``module`` (an attention module with ``layer_idx``)
+    run PISA."""
+    layers = pisa_layers_of(module.config)
+    if layers is None:
+        return True
+    idx = getattr(module, "layer_idx", None)
+    if not isinstance(idx, int):
+        raise ValueError(f"config.pisa_layers is set but {type(module).__name__} has no int "
+                         f"layer_idx (got {idx!r}) to look up")
+    return idx in layers
+
+
+def _token_seqs(cu_seqlens, rows, n_flat: int):
+    """Per flat token ``[n_flat]``: its sequence in ``cu_seqlens`` and its position there (-1 at
+    padding: ``rows``, the real tokens' flat indices; None when every token is real)."""
+    cu = cu_seqlens.long()
+    i = torch.arange(n_flat if rows is None else rows.numel(), device=cu.device)
+    seq = torch.searchsorted(cu[1:], i, right=True)  # empty sequences are skipped
+    pos = i - cu[seq]
+    if rows is None:
+        return seq, pos
+    full = torch.full((2, n_flat), -1, dtype=torch.long, device=cu.device)
+    full[:, rows] = torch.stack([seq, pos])
+    return full[0], full[1]
+
+
+def _sdpa_forward(module, query, key, value, packed, scaling, **kwargs):
+    """transformers' sdpa attention for a layer ``config.pisa_layers`` leaves dense, with the
+    mask ``pisa_mask`` did not build: ``[B, 1, Tq, Tk]`` bool from ``packed`` (a query sees its
+    own sequence's keys up to its position, bottom-right), or bottom-right causal for chunked
+    prefill (SDPA's ``is_causal`` is top-left), else none (causal self-attention, decode).
+    Padding queries see their row's first key (a finite softmax) and output zeros."""
+    B, _, Tq, _ = query.shape
+    Tk = key.shape[2]
+    mask, pad = None, None
+    if packed is not None:
+        seq_q, pos_q = (x.view(B, Tq) for x in _token_seqs(packed.cu_seqlens_q, packed.rows_q,
+                                                           B * Tq))
+        seq_k, pos_k = (x.view(B, Tk) for x in _token_seqs(packed.cu_seqlens_k, packed.rows_k,
+                                                           B * Tk))
+        lens = torch.diff(packed.cu_seqlens_k.long()) - torch.diff(packed.cu_seqlens_q.long())
+        last = pos_q + lens[seq_q.clamp_min(0)]  # the last key position each query sees
+        pad = seq_q < 0
+        mask = (seq_q[:, :, None] == seq_k[:, None, :]) & ~pad[:, :, None] \
+            & (pos_k[:, None, :] <= last[:, :, None])
+        mask[:, :, 0] |= pad
+        mask = mask[:, None]
+    elif 1 < Tq < Tk:
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril(Tk - Tq)
+    for name in ("pisa_cache", "is_causal"):
+        kwargs.pop(name, None)
+    out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+    return (out if pad is None else out.masked_fill(pad[:, :, None, None], 0)), None
+
+
 def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                            value: torch.Tensor, attention_mask: torch.Tensor | None,
                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """transformers attention function (the ``AttentionInterface`` signature).
 
     Arguments:
-        module: the calling attention module; its ``config`` carries the PISA knobs.
+        module: the calling attention module; its ``config`` carries the PISA knobs. With
+            ``config.pisa_layers`` (``pisa_layers_of``) a module whose ``layer_idx`` is not
+            listed runs transformers' sdpa attention instead (a hybrid model's dense layer).
         query: (batch, nheads, seqlen_q, headdim), post-RoPE.
         key, value: (batch, nheads_k, seqlen_k, headdim): the whole cache including the new
             tokens; the queries are its last ``seqlen_q`` positions.
@@ -171,6 +255,8 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if not getattr(module, "is_causal", True) or kwargs.get("sliding_window") is not None:
         raise ValueError("attn_implementation='pisa' supports full causal attention only, not "
                          "bidirectional or sliding-window layers")
+    if not _runs_pisa(module):  # config.pisa_layers: a dense layer of a hybrid model
+        return _sdpa_forward(module, query, key, value, packed, scaling, **kwargs)
     knobs = pisa_knobs(module.config)
     cache = kwargs.get("pisa_cache")
     if cache is None:  # transformers that do not pass the attention's kwargs to the cache

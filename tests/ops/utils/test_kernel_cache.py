@@ -1,0 +1,144 @@
+"""Kernel manifests (``pisa.ops.utils.kernel_cache``), ``pisa warmup`` and its parallel first call."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pisa.cli import main
+from pisa.ops.utils import kernel_cache as kc
+from pisa.warmup import parse_shape, warmup
+
+CUDA = torch.cuda.is_available()
+
+
+def test_call_key_names_what_decides_the_variants():
+    q = torch.empty(2, 5, 32, 128, dtype=torch.bfloat16)
+    assert kc.call_key("pisa_attn", q, 8, True) == "pisa_attn|bfloat16|32/8/128|grad"
+    assert kc.call_key("kvcache", q.half(), 4, False) == "kvcache|float16|32/4/128|nograd"
+
+
+def test_write_manifest_merges_without_duplicates(tmp_path):
+    path = tmp_path / "sub" / "kernels.json"
+    a = {"kernel": "pisa.ops.x:_k", "spec": "{}"}
+    b = {"kernel": "pisa.ops.x:_j", "spec": "{}"}
+    kc.write_manifest(path, {"t": {"key": [a]}})
+    kc.write_manifest(path, {"t": {"key": [a, b]}, "u": {"other": [b]}})
+    data = json.loads(path.read_text())
+    assert data["version"] == kc.VERSION
+    assert data["targets"] == {"t": {"key": [a, b]}, "u": {"other": [b]}}
+
+
+def test_unreadable_or_foreign_manifests_are_ignored(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert kc._read(bad) == {}
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"version": kc.VERSION + 1, "targets": {"t": {}}}))
+    assert kc._read(old) == {}
+    assert kc._read(tmp_path / "missing.json") == {}
+
+
+def test_user_manifest_follows_pisa_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PISA_CACHE_DIR", str(tmp_path))
+    assert kc.user_manifest() == tmp_path / "kernels.json"
+
+
+def test_shipped_manifest_fits_the_kernels():
+    """Every shipped entry names a pisa Triton kernel whose parameters are the recorded
+    signature's: a kernel whose parameters changed needs `pisa warmup` again on a GPU."""
+    targets = kc._read(kc.SHIPPED)
+    if not kc.SHIPPED.exists():
+        pytest.skip("no manifest shipped")
+    assert targets, "kernels.json is shipped but unreadable"
+    for keys in targets.values():
+        for key, entries in keys.items():
+            assert entries, key
+            for e in entries:
+                fn = kc._kernel(e["kernel"])
+                spec = json.loads(e["spec"])
+                assert spec["name"] == e["kernel"].replace(":", "."), e["kernel"]
+                assert list(spec["signature"]) == [p.name for p in fn.params], e["kernel"]
+                for path, value in e["constants"]:
+                    assert fn.params[path[0]].is_constexpr, (e["kernel"], path)
+                    kc.decode(value)  # a NamedTuple bundle whose fields changed raises
+
+
+def test_constexprs_round_trip_with_their_types():
+    import triton.language as tl
+
+    from pisa.ops.select.triton import Rows
+    rows = Rows(*range(len(Rows._fields)))
+    values = [rows, tl.bfloat16, tl.constexpr(7), (1, (True, None)), 3, False, 0.5, "x"]
+    back = [kc.decode(json.loads(json.dumps(kc.encode(v)))) for v in values]
+    assert type(back[0]) is Rows and back[0] == rows
+    assert back[1] == tl.bfloat16 and isinstance(back[1], tl.dtype)
+    assert isinstance(back[2], tl.constexpr) and back[2].value == 7
+    assert back[3:] == values[3:]
+
+
+@pytest.mark.parametrize("text, ok", [("32/8/128", (32, 8, 128)), ("9/3/64", (9, 3, 64)),
+                                      ("32/7/128", None), ("32/8", None), ("a/b/c", None),
+                                      ("0/1/64", None)])
+def test_parse_shape(text, ok):
+    if ok:
+        assert parse_shape(text) == ok
+    else:
+        with pytest.raises(ValueError, match="shape"):
+            parse_shape(text)
+
+
+def test_warmup_refuses_bad_ops_and_devices():
+    with pytest.raises(ValueError, match="ops"):
+        warmup([(4, 2, 64)], ops=("serve",))
+    if not CUDA:
+        with pytest.raises(ValueError, match="device must be CUDA"):
+            warmup([(4, 2, 64)], device="cpu")
+
+
+def test_cli_warmup_bad_shape_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["warmup", "--shape", "32/7/128", "--device", "cuda" if CUDA else "cpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "shape" in err or "device" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_manifest_compiles_the_first_call_ahead(tmp_path):
+    """A process with an empty Triton cache and a `pisa warmup` manifest compiles every kernel
+    of its first call in `precompile`: its launches compile nothing more, and its output equals a
+    process's without the manifest."""
+    script = textwrap.dedent("""
+        import sys, torch, pisa
+        from pisa.bench import triton_variants
+        from pisa.ops.utils import kernel_cache
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(1, 3000, h, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+                   .requires_grad_() for h in (8, 2, 2))
+        kernel_cache.precompile("pisa_attn", q, 2, True)
+        n = triton_variants()
+        o = pisa.pisa_attn(q, k, v)
+        o.backward(torch.ones_like(o))
+        print("NEW", triton_variants() - n, "PRE", n)
+        torch.save([o.detach().cpu(), q.grad.cpu()], sys.argv[1])
+    """)
+    env = dict(os.environ, PISA_CACHE_DIR=str(tmp_path / "pisa"))
+    run = lambda name, **extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", script, str(tmp_path / f"{name}.pt")], check=True, text=True,
+        stdout=subprocess.PIPE, env=dict(env, TRITON_CACHE_DIR=str(tmp_path / name / "t"),
+                                         **extra)).stdout
+    subprocess.run([sys.executable, "-m", "pisa.cli", "warmup", "--shape", "8/2/64", "--ops",
+                    "train", "--lengths", "3000"], check=True,
+                   env=dict(env, TRITON_CACHE_DIR=str(tmp_path / "warm")))
+    with_manifest = run("a")
+    without = run("b", PISA_PRECOMPILE="0")
+    new, pre = (int(x) for x in with_manifest.split()[1::2])
+    assert pre > 0 and new == 0, with_manifest
+    assert without.split()[1] != "0" and without.split()[3] == "0", without
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
