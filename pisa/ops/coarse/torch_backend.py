@@ -1,7 +1,7 @@
 """The coarse branch, vectorised PyTorch (CPU and CUDA): attention of each query over the pooled
 nodes of the complete blocks before it, by chunks of queries.
 
-Memory is O(N): ``CoarseAttnTorch`` saves its inputs, the output and the LSE, never the
+Memory is O(N): ``CoarseAttn`` saves its inputs, the output and the LSE, never the
 ``[chunk, N / C]`` probabilities; the backward recomputes them chunk by chunk from the LSE (as
 FlashAttention recomputes its tiles). A chunk only reads the nodes its last query may see.
 """
@@ -87,25 +87,26 @@ def _backward(do, q, kc, vc, o, lse, t_first: int, block_size: int, scale: float
     return dq.to(q.dtype), dkc, dvc
 
 
-class CoarseAttnTorch(torch.autograd.Function):
-    """``(q, kc, vc) -> (o, lse)``: ``q [B, Tq, HQ, D]`` at absolute positions ``t_first ..``,
-    nodes ``kc, vc [B, N, HKV, D]`` in the compute dtype (``pool_blocks``). Saves O(N) tensors
-    (inputs, ``o``, ``lse``); the backward recomputes the probabilities by chunks. ``lse`` gets no
+class CoarseAttn(torch.autograd.Function):
+    """``(q, kc, vc) -> (o, lse)`` by a backend's ``forward(q, kc, vc, t_first, block_size,
+    scale)`` and ``backward(do, q, kc, vc, o, lse, t_first, block_size, scale)``: ``q [B, Tq, HQ,
+    D]`` at absolute positions ``t_first ..``, nodes ``kc, vc [B, N, HKV, D]``. Saves O(N) tensors
+    (inputs, ``o``, ``lse``): the backward recomputes the probabilities. ``lse`` gets no
     gradient (the layer does not use it)."""
 
     @staticmethod
-    def forward(ctx, q, kc, vc, t_first: int, block_size: int, scale: float):
-        o, lse = _forward(q, kc, vc, t_first, block_size, scale)
+    def forward(ctx, q, kc, vc, t_first: int, block_size: int, scale: float, fwd, bwd):
+        o, lse = fwd(q, kc, vc, t_first, block_size, scale)
         ctx.save_for_backward(q, kc, vc, o, lse)
-        ctx.args = (t_first, block_size, scale)
+        ctx.args, ctx.bwd = (t_first, block_size, scale), bwd
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, kc, vc, o, lse = ctx.saved_tensors
-        dq, dkc, dvc = _backward(do.contiguous(), q, kc, vc, o, lse, *ctx.args)
-        return dq, dkc, dvc, None, None, None
+        dq, dkc, dvc = ctx.bwd(do.contiguous(), q, kc, vc, o, lse, *ctx.args)
+        return dq, dkc, dvc, None, None, None, None, None
 
 
 def coarse_attn_torch(q, k, v, block_size: int, scale: float):
@@ -113,4 +114,5 @@ def coarse_attn_torch(q, k, v, block_size: int, scale: float):
     differentiable in q, k, v through the pooling) and ``lse [B, HQ, Tq]`` (no gradient)."""
     ct = compute_dtype(q)
     kc, vc = pool_blocks(k, block_size, ct), pool_blocks(v, block_size, ct)
-    return CoarseAttnTorch.apply(q, kc, vc, k.shape[1] - q.shape[1], block_size, scale)
+    return CoarseAttn.apply(q, kc, vc, k.shape[1] - q.shape[1], block_size, scale, _forward,
+                           _backward)

@@ -27,7 +27,7 @@ from ..utils.geometry import cdiv, pow2
 from ..utils.op import (LOG2E, LOG2E_K, dot_nt, dot_pv, empty, online_softmax_step,
                         softmax_output)
 from ..utils.triton_utils import F32_PREC
-from .torch_backend import pool_blocks
+from .torch_backend import CoarseAttn, pool_blocks
 
 
 class CoarseShape(NamedTuple):
@@ -235,33 +235,11 @@ def coarse_bwd_triton(do, q, kc, vc, o, lse, t_first: int, block_size: int, scal
     return dq, dkc.to(kc.dtype), dvc.to(vc.dtype)
 
 
-# ----------------------------------------------------------------------------------------------
-# autograd
-# ----------------------------------------------------------------------------------------------
-class CoarseAttnTriton(torch.autograd.Function):
-    """``(q, kc, vc) -> (o, lse)`` by the kernels above; saves inputs, ``o`` and ``lse`` (O(N)).
-    ``lse`` gets no gradient."""
-
-    @staticmethod
-    def forward(ctx, q, kc, vc, t_first: int, block_size: int, scale: float):
-        o, lse = coarse_fwd_triton(q, kc, vc, t_first, block_size, scale)
-        ctx.save_for_backward(q, kc, vc, o, lse)
-        ctx.args = (t_first, block_size, scale)
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, kc, vc, o, lse = ctx.saved_tensors
-        dq, dkc, dvc = coarse_bwd_triton(do.contiguous(), q, kc, vc, o, lse, *ctx.args)
-        return dq, dkc, dvc, None, None, None
-
-
 def coarse_attn_triton(q, k, v, block_size: int, scale: float):
     """The coarse branch of ``q [B, Tq, HQ, D]`` over ``k, v [B, Tk, HKV, D]`` by the Triton
     kernels: ``o`` (q's dtype; differentiable in q, k, v) and ``lse [B, HQ, Tq]`` fp32. The nodes
     are pooled in fp32 and rounded to q's dtype (the kernels' dot operands)."""
     kc = pool_blocks(k, block_size, torch.float32).to(q.dtype).contiguous()
     vc = pool_blocks(v, block_size, torch.float32).to(q.dtype).contiguous()
-    return CoarseAttnTriton.apply(q.contiguous(), kc, vc, k.shape[1] - q.shape[1], block_size,
-                                  scale)
+    return CoarseAttn.apply(q.contiguous(), kc, vc, k.shape[1] - q.shape[1], block_size, scale,
+                            coarse_fwd_triton, coarse_bwd_triton)
