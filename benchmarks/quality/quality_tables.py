@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 from common import header, read_results
 
 RETRIEVAL = ("needle_single", "needle_multi", "assoc_recall", "var_track")
-ARM_ORDER = ("dense", "pisa", "pisa_qt1", "flat_mean", "flat_lse")
+ARM_ORDER = ("dense", "pisa", "pisa_qt1", "pisa_mass", "pisa_cmp", "pisa_cmp_win", "flat_mean",
+             "flat_lse", "nsa")
 HARD = ("aggregate",)
 
 

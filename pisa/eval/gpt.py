@@ -26,7 +26,14 @@ PER_TOKEN = dict(query_tile=1, scorer="lse", tile_reduce="sum", beam_leaf=None)
 ARMS = {"dense": None, "pisa": {}, "pisa_qt1": dict(PER_TOKEN),
         "pisa_mass": dict(tile_reduce="mass", beam=16),
         "flat_mean": dict(selector="flat_mean", query_tile=1),
-        "flat_lse": dict(selector="flat_lse", query_tile=1)}
+        "flat_lse": dict(selector="flat_lse", query_tile=1),
+        # the training recipes (``docs/training.md``): the defaults plus NSA-style gated branches,
+        # a compressed one over the leaf blocks' means and a 2-block sliding window
+        "pisa_cmp": dict(compressed=True), "pisa_cmp_win": dict(compressed=True, window=2)}
+# PisaAttention's gated branches: an arm with one is never plain dense attention
+BRANCHES = ("window", "compressed")
+# the arms that select with the library's default walk (their level-2 beam follows ``set_beam``)
+DEFAULT_WALK = ("pisa", "pisa_cmp", "pisa_cmp_win")
 # Peer arms: another library's sparse attention in the same model. "nsa": fla's NSA
 # (``pisa.eval.nsa_arm``; needs fla-core and a GQA group HQ / HKV = 16, 32, ...), ``topk``
 # selected blocks of ``block_size`` keys, its gates, compressed branch and sliding window.
@@ -38,15 +45,17 @@ def dense_within_budget(arm: str) -> bool:
     """Whether ``arm`` computes dense attention while ``T <= K * C`` (dense and the ``pisa_attn``
     arms: every block fits the budget), so a dense-trained start is its own start (the suite's
     shared stems). NSA is never dense: its gated compressed and window branches add to the
-    selected attention at any length."""
-    return arm in ARMS
+    selected attention at any length, as do the pisa arms' own branches (``BRANCHES``)."""
+    return arm in ARMS and not any((ARMS[arm] or {}).get(name) for name in BRANCHES)
 
 
 @dataclass
 class GPTConfig:
     """Model shape and attention arm.
 
-    arm: "dense" | "pisa" | "pisa_qt1" | "pisa_mass" | "flat_mean" | "flat_lse" | "nsa". The
+    arm: "dense" | "pisa" | "pisa_qt1" | "pisa_mass" | "flat_mean" | "flat_lse" | "pisa_cmp" |
+        "pisa_cmp_win" | "nsa" ("pisa_cmp": the defaults with the compressed branch,
+        "pisa_cmp_win": and a 2-block window branch, ``docs/training.md``). The
         sparse arms attend ``topk`` blocks of ``block_size`` keys per query (forced
         sink/previous/current blocks inside the budget); "pisa" finds them with the library's
         default walk (query tiles, bound scorer, ``beam_leaf=32``) at beam ``beam`` (default
@@ -157,13 +166,13 @@ class GPT(nn.Module):
                 block.attn.attn = mode if sparse else "dense"
 
     def set_beam(self, beam: int | None) -> None:
-        """The pisa arms' walk beam from now on (``None``: ``topk``); the "pisa" arm's level-2
-        beam follows at twice it (its default ratio; ``None``: the default); the flat arms
-        ignore it."""
+        """The pisa arms' walk beam from now on (``None``: ``topk``); the level-2 beam of the
+        arms on the default walk (``DEFAULT_WALK``) follows at twice it (its default ratio;
+        ``None``: the default); the flat arms ignore it."""
         if self.cfg.arm.startswith("pisa"):
             for block in self.blocks:
                 block.attn.pisa_kwargs["beam"] = beam
-                if self.cfg.arm == "pisa":
+                if self.cfg.arm in DEFAULT_WALK:
                     block.attn.pisa_kwargs["beam_leaf"] = BEAM_LEAF if beam is None else 2 * beam
 
     def set_beam_ref_len(self, ref_len: int | None) -> None:

@@ -8,7 +8,8 @@ def _pair(arm, **kw):
     dense = GPT(GPTConfig(width=32, depth=2, heads=2, kv_heads=1, mlp_hidden=64, arm="dense"))
     sparse = GPT(GPTConfig(width=32, depth=2, heads=2, kv_heads=1, mlp_hidden=64, arm=arm,
                            topk=4, block_size=16, **kw))
-    sparse.load_state_dict(dense.state_dict())
+    missing = sparse.load_state_dict(dense.state_dict(), strict=False).missing_keys
+    assert all(".attn.gate." in key for key in missing), missing  # a recipe arm's gates only
     return dense.eval(), sparse.eval()
 
 
@@ -46,3 +47,22 @@ def test_a_beam_as_wide_as_the_blocks_walks_to_the_flat_lse_selection(rng):
         torch.testing.assert_close(pisa(ids), flat(ids), rtol=1e-4, atol=1e-4)
         pisa.set_beam(None)
         assert (pisa(ids) - flat(ids)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arm", ["pisa_cmp", "pisa_cmp_win"])
+def test_recipe_arms_add_gated_branches_to_the_pisa_arm(arm, rng):
+    """The recipe arms are the "pisa" arm plus ``PisaAttention``'s branches: with their gates
+    shut they equal it on the same weights, open they differ, and they are never plain dense
+    attention (no shared dense stem)."""
+    from pisa.eval.gpt import dense_within_budget
+    _, plain = _pair("pisa")
+    _, recipe = _pair(arm)
+    recipe.load_state_dict(plain.state_dict(), strict=False)  # all but the gates
+    assert all(b.attn.gate is not None for b in recipe.blocks)
+    ids = torch.randint(0, 264, (2, 256))
+    with torch.no_grad():
+        assert (recipe(ids) - plain(ids)).abs().max() > 1e-4
+        for block in recipe.blocks:
+            block.attn.gate.bias.fill_(-1e4)
+        torch.testing.assert_close(recipe(ids), plain(ids), rtol=1e-4, atol=1e-4)
+    assert not dense_within_budget(arm) and dense_within_budget("pisa")

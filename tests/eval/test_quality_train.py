@@ -22,7 +22,7 @@ ROW_KEYS = {"task", "arm", "K", "seed", "train_T", "test_T", "metric", "value", 
 TASK_ROWS = {"needle_single", "needle_multi", "assoc_recall", "var_track", "aggregate"}
 # (query_tile, beam_leaf) each arm's rows carry: the defaults' 16-token tiles and level-2 beam
 KNOBS = {"dense": (None, None), "pisa": (16, 32), "pisa_qt1": (1, None), "flat_mean": (1, None),
-         "flat_lse": (1, None)}
+         "flat_lse": (1, None), "pisa_cmp": (16, 32), "pisa_cmp_win": (16, 32)}
 TINY = ["--train-T", "512", "--test-T", "512", "--block-size", "16", "--width", "32", "--depth",
         "2", "--heads", "2", "--kv-heads", "1", "--mlp", "64", "--eval-examples", "2",
         "--lm-windows", "1", "--lm-past", "256", "--log-every", "1", "--threads", "1",
@@ -52,8 +52,7 @@ def check_rows(rows, arms, lengths, steps):
     assert rows
     for r in rows:
         assert set(r) == ROW_KEYS
-        assert r["arm"] in arms and r["arm"] in ("dense", "pisa", "pisa_qt1", "flat_mean",
-                                                 "flat_lse")
+        assert r["arm"] in arms and r["arm"] in KNOBS
         assert r["schedule"] in ("sparse", "warmup") and r["test_T"] in lengths
         assert r["metric"] == ("loss" if r["task"].startswith("lm") else "accuracy")
         assert math.isfinite(r["value"]) and r["steps"] == (steps or r["steps"]) > 0
@@ -73,11 +72,11 @@ def check_beam_rows(result, beams, lengths):
     got = [r for r in result["beam_rows"] if r["W"] is not None]
     grown = [r for r in result["beam_rows"] if r["W"] is None]
     pisa = [r for r in result["rows"]
-            if r["arm"] in ("pisa", "pisa_qt1") and r["metric"] == "accuracy"]
+            if r["arm"].startswith("pisa") and r["metric"] == "accuracy"]
     assert len(got) == len(beams) * len(pisa)
     for r in got:
-        assert set(r) == ROW_KEYS | {"W"} and r["arm"] in ("pisa", "pisa_qt1") and r["W"] in beams
-        assert r["beam_leaf"] == (2 * r["W"] if r["arm"] == "pisa" else None)
+        assert set(r) == ROW_KEYS | {"W"} and r["arm"].startswith("pisa") and r["W"] in beams
+        assert r["beam_leaf"] == (None if r["arm"] == "pisa_qt1" else 2 * r["W"])
         assert r["metric"] == "accuracy" and 0.0 <= r["value"] <= 1.0 and r["test_T"] in lengths
     assert {(r["task"], r["test_T"], r["seed"]) for r in got} == \
         {(r["task"], r["test_T"], r["seed"]) for r in pisa}
@@ -90,7 +89,8 @@ def check_beam_rows(result, beams, lengths):
 
 @pytest.mark.parametrize("arm,schedule", [("dense", "sparse"), ("pisa", "sparse"),
                                           ("pisa", "warmup"), ("pisa_qt1", "sparse"),
-                                          ("flat_mean", "sparse"), ("flat_lse", "sparse")])
+                                          ("flat_mean", "sparse"), ("flat_lse", "sparse"),
+                                          ("pisa_cmp", "sparse"), ("pisa_cmp_win", "warmup")])
 def test_every_arm_trains_and_evaluates(arm, schedule, site, tmp_path):
     threads = torch.get_num_threads()
     try:
@@ -344,7 +344,8 @@ def test_launcher_calibrates_one_step_count_and_merges_runs_into_the_schema(site
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arm,schedule", [("dense", "sparse"), ("pisa", "warmup"),
-                                          ("flat_mean", "sparse"), ("flat_lse", "sparse")])
+                                          ("flat_mean", "sparse"), ("flat_lse", "sparse"),
+                                          ("pisa_cmp", "sparse"), ("pisa_cmp_win", "warmup")])
 def test_every_arm_trains_on_gpu_at_the_suite_shapes(arm, schedule, tmp_path):
     """The suite's model and lengths on the GPU (bf16, Triton), a few steps: run this before
     spending the suite's minutes."""
