@@ -28,6 +28,7 @@ transformers 5.24.0 (see ``docs/integrations.md``).
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass
 
@@ -465,3 +466,105 @@ class PisaHFCache(Cache):
         super().__init__(layers=[PisaCacheLayer(max_cache_len, knobs["block_size"],
                                                 knobs["branching"], bounds)
                                  for _ in range(config.num_hidden_layers)])
+
+
+def cache_keyword(model) -> str:
+    """The keyword of this transformers' forward for the cache: ``cache`` (5.2x) or
+    ``past_key_values`` (5.17)."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class PisaGraphDecoder:
+    """Greedy decoding of a transformers causal LM (``attn_implementation="pisa"``) over a
+    ``PisaHFCache``, where each step is one forward of one token read from, and written to,
+    buffers at fixed addresses, so that it can run as one CUDA graph: the decode step at kernel
+    speed that ``generate``'s Python loop does not reach (``docs/serving.md``).
+
+    Arguments:
+        model: the model, on its device.
+        max_cache_len: int. Prompt + new tokens a call may hold.
+        cuda_graph: bool. Capture the step in a CUDA graph (CUDA only; default True on CUDA):
+            at the first call, after ``warmup`` eager steps (real steps of that sequence); later
+            calls with the same batch size replay it. False: every step eager.
+        warmup: int. Eager steps before the capture (default 2).
+
+    ``generate(input_ids [B, T] int64, max_new_tokens)`` returns the new tokens ``[B,
+    max_new_tokens]``: the argmax of each step's logits, as ``model.generate(..., do_sample=False,
+    past_key_values=PisaHFCache(...))`` gives (no end-of-sequence stop, no logits processors, no
+    padding). The cache lives with the decoder: its buffers, and the graph's, are allocated once.
+    """
+
+    def __init__(self, model, max_cache_len: int, cuda_graph: bool | None = None,
+                 warmup: int = 2):
+        device = next(model.parameters()).device
+        cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+        if cuda_graph and device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on CUDA, it is on {device}")
+        if not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup must be an int >= 1 (eager steps before the capture), "
+                             f"got {warmup!r}")
+        self.model, self.device, self.cuda_graph, self.warmup = model, device, cuda_graph, warmup
+        self.cache = PisaHFCache(model.config, max_cache_len)
+        self.kw = {cache_keyword(model): self.cache, "use_cache": True, "logits_to_keep": 1}
+        self.graph = self.batch = None
+
+    def _buffers(self, B: int, n_new: int) -> None:
+        """The step's static inputs and outputs: the token, its position, the tokens so far."""
+        if self.batch == B and self.history.shape[1] >= n_new:
+            return
+        if self.graph is not None:
+            raise ValueError(f"this decoder's graph was captured for batch {self.batch} and "
+                             f"{self.history.shape[1]} new tokens; make a new decoder for batch "
+                             f"{B} and {n_new}")
+        self.batch = B
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        self.history = torch.zeros(B, n_new, dtype=torch.long, device=self.device)
+        self.col = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def _emit(self, logits: torch.Tensor) -> None:
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        self.ids.copy_(nxt)
+        self.history.index_copy_(1, self.col, nxt)
+        self.col.add_(1)
+
+    def _step(self) -> None:
+        self._emit(self.model(input_ids=self.ids, position_ids=self.pos, **self.kw).logits)
+        self.pos.add_(1)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        B, T = input_ids.shape
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if T + max_new_tokens > self.cache.get_max_length():
+            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceed "
+                             f"max_cache_len={self.cache.get_max_length()}")
+        self._buffers(B, max_new_tokens)
+        self.cache.reset()
+        self.col.zero_()
+        self.pos.fill_(T)
+        self._emit(self.model(input_ids=input_ids.to(self.device), **self.kw).logits)
+        steps = max_new_tokens - 1
+        if self.cuda_graph and self.graph is None and steps > self.warmup:
+            steps -= self._capture()
+        for _ in range(steps):
+            self.graph.replay() if self.graph is not None else self._step()
+        return self.history[:, :max_new_tokens].clone()
+
+    def _capture(self) -> int:
+        """``warmup`` eager steps on a side stream, then one step recorded (not run); returns
+        the steps taken."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        self.graph = graph
+        graph.replay()  # the recorded step: capture runs nothing
+        return self.warmup + 1

@@ -412,3 +412,49 @@ def test_pisa_layers_is_a_model_knob_not_a_pisa_attn_one():
     config = type("Config", (), {"pisa_layers": [0], "num_hidden_layers": 2})()
     assert "layers" not in pisa_hf.pisa_knobs(config)
     assert pisa_hf.pisa_layers_of(config) == {0}
+
+
+def test_graph_decoder_steps_equal_greedy_generate_over_the_cache(rng):
+    """``PisaGraphDecoder`` eager (the CPU form of its step): the tokens of greedy ``generate``
+    over a ``PisaHFCache``, past K blocks, and again on a second call reusing its buffers."""
+    _, sparse = _pair()
+    # no end of sequence (the decoder has no stop and no logits processor, such as the one
+    # min_new_tokens adds)
+    sparse.config.eos_token_id = sparse.generation_config.eos_token_id = None
+    new = FITS + 10
+    decoder = pisa_hf.PisaGraphDecoder(sparse, 4 * FITS, cuda_graph=False)
+    for _ in range(2):
+        prompt = torch.randint(2, 128, (2, FITS + 3))
+        kw = {"max_new_tokens": new, "do_sample": False, "attention_mask": torch.ones_like(prompt)}
+        with torch.no_grad():
+            ref = sparse.generate(prompt, cache=pisa_hf.PisaHFCache(sparse.config, 4 * FITS),
+                                  **kw)
+        assert torch.equal(decoder.generate(prompt, new), ref[:, prompt.shape[1]:])
+
+
+def test_graph_decoder_refuses_bad_arguments():
+    _, sparse = _pair()
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on CUDA"):
+        pisa_hf.PisaGraphDecoder(sparse, 64, cuda_graph=True)
+    with pytest.raises(ValueError, match="warmup"):
+        pisa_hf.PisaGraphDecoder(sparse, 64, cuda_graph=False, warmup=0)
+    decoder = pisa_hf.PisaGraphDecoder(sparse, 64, cuda_graph=False)
+    with pytest.raises(ValueError, match="exceed max_cache_len=64"):
+        decoder.generate(torch.randint(2, 128, (1, 60)), 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate(torch.randint(2, 128, (1, 6)), 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graph_decoder_replays_the_eager_steps():
+    """The captured step, replayed, gives the eager decoder's tokens (bf16, Triton kernels)."""
+    seed = int(torch.randint(0, 2**31, ()))
+    model = tiny_llama(seed=seed, attn_implementation="pisa", block_size=16, topk=4)
+    model = model.to("cuda", torch.bfloat16)
+    prompt = torch.randint(2, 128, (2, 200), device="cuda")
+    eager = pisa_hf.PisaGraphDecoder(model, 512, cuda_graph=False).generate(prompt, 40)
+    graphed = pisa_hf.PisaGraphDecoder(model, 512, cuda_graph=True)
+    assert torch.equal(graphed.generate(prompt, 40), eager)
+    assert graphed.graph is not None
+    assert torch.equal(graphed.generate(prompt, 40), eager)  # replays on a second call
