@@ -57,10 +57,12 @@ class Block(nn.Module):
     """Pre-norm decoder block: RMSNorm -> ``PisaAttention`` -> residual, RMSNorm -> MLP ->
     residual."""
 
-    def __init__(self, width: int, heads: int, attn: str, cp_group, **pisa_knobs):
+    def __init__(self, width: int, heads: int, attn: str, cp_group, branches: dict,
+                 **pisa_knobs):
         super().__init__()
         self.attn_norm = nn.RMSNorm(width)
-        self.attn = pisa.PisaAttention(width, heads, attn=attn, cp_group=cp_group, **pisa_knobs)
+        self.attn = pisa.PisaAttention(width, heads, attn=attn, cp_group=cp_group, **branches,
+                                       **pisa_knobs)
         self.mlp_norm = nn.RMSNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
                                  nn.Linear(4 * width, width))
@@ -72,16 +74,19 @@ class Block(nn.Module):
 
 class TinyGPT(nn.Module):
     """``forward(ids [B, T]) -> logits [B, T, vocab]``. ``attn="pisa"`` (default) or ``"dense"``;
-    ``pisa_knobs`` (``block_size``, ``topk``, ...) go to every ``PisaAttention``. With
+    ``pisa_knobs`` (``block_size``, ``topk``, ...) go to every ``PisaAttention``, as do
+    ``window`` and ``compressed`` (its gated training branches, ``docs/training.md``). With
     ``cp_group`` the layers attend a sequence sharded over that process group
     (``pisa.distributed``): ``forward`` takes this rank's shard of the ids."""
 
     def __init__(self, vocab: int, width: int = 64, depth: int = 2, heads: int = 4,
-                 attn: str = "pisa", cp_group=None, **pisa_knobs):
+                 attn: str = "pisa", cp_group=None, window: int = 0, compressed: bool = False,
+                 **pisa_knobs):
         super().__init__()
         self.pisa_knobs = pisa_knobs
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(Block(width, heads, attn, cp_group, **pisa_knobs)
+        branches = {"window": window, "compressed": compressed}
+        self.blocks = nn.ModuleList(Block(width, heads, attn, cp_group, branches, **pisa_knobs)
                                     for _ in range(depth))
         self.norm = nn.RMSNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
@@ -134,6 +139,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="C (default 16)")
     p.add_argument("--topk", type=int, default=6, help="blocks a query tile attends, the three "
                    "forced ones included (default 6)")
+    p.add_argument("--window", type=int, default=0,
+                   help="blocks of the gated sliding-window branch (default 0: none)")
+    p.add_argument("--compressed", action="store_true",
+                   help="add the gated compressed branch over the blocks' mean keys / values")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -166,7 +175,8 @@ def build(args, cp_group=None) -> TinyGPT:
     """The model of ``args``, its weights a function of ``args.seed`` only."""
     torch.manual_seed(args.seed)
     return TinyGPT(args.vocab, args.width, args.depth, args.heads, attn=args.attn,
-                   cp_group=cp_group, block_size=args.block_size, topk=args.topk)
+                   cp_group=cp_group, window=args.window, compressed=args.compressed,
+                   block_size=args.block_size, topk=args.topk)
 
 
 def learned_at(losses: list[float], chance: float) -> int | None:
@@ -181,7 +191,8 @@ def main(argv=None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)
     chance = math.log(args.vocab)
-    knobs = f" {model.pisa_knobs}" if args.attn == "pisa" else ""
+    knobs = f" {model.pisa_knobs}, window {args.window}, compressed {args.compressed}" \
+        if args.attn == "pisa" else ""
     print(f"{args.attn}{knobs}: T={args.seqlen}, P={args.period}; chance: loss {chance:.3f}, "
           f"accuracy {1 / args.vocab:.3f}", flush=True)
     losses, start = [], time.perf_counter()
@@ -202,6 +213,7 @@ def main(argv=None) -> dict:
                   + ("" if found is None else f"  found {found:.3f}")
                   + f"  {time.perf_counter() - start:5.1f} s", flush=True)
     result = {"example": "train", "attn": args.attn, "seed": args.seed, "steps": args.steps,
+              "period": args.period, "window": args.window, "compressed": args.compressed,
               "chance": chance, "learned_at": learned_at(losses, chance),
               "final_loss": sum(losses[-5:]) / len(losses[-5:]), "final_accuracy": acc,
               "found": found, "losses": losses, "seconds": time.perf_counter() - start}

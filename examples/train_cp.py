@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = train.checked(p, p.parse_args(argv))
     if args.attn != "pisa":
         p.error("context parallelism runs PISA only (--attn pisa)")
+    if args.window or args.compressed:
+        p.error("the gated branches (--window, --compressed) are not context-parallel")
     if "RANK" not in os.environ and args.nproc % args.cp:
         p.error(f"--nproc {args.nproc} must be a multiple of --cp {args.cp}")
     return args
