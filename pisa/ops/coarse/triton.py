@@ -67,24 +67,30 @@ def _visible(o_tok, o_node, t_first, C):
 
 
 @triton.jit
+def _query_program(p_kc, p_vc, s_kb, s_kh, Tq, HQ, G: tl.constexpr, BM: tl.constexpr):
+    """A query-tile program's place: its tile, batch row, query head, tokens ``[BM]`` with their
+    mask, and its KV head's node pointers."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hq = i_bh // HQ, i_bh % HQ
+    o_tok = i_m * BM + tl.arange(0, BM)
+    o_kh = i_b.to(tl.int64) * s_kb + (i_hq // G) * s_kh
+    return i_m, i_bh, i_b, i_hq, o_tok, o_tok < Tq, p_kc + o_kh, p_vc + o_kh
+
+
+@triton.jit
 def _coarse_fwd_kernel(p_q, p_kc, p_vc, p_o, p_lse, s_qb, s_q, s_kb, s_k, s_ob, s_o,
                        Tq, N, t_first, C, scale_log2, HQ, SHAPE: tl.constexpr):
-    G: tl.constexpr = SHAPE.G
     BM: tl.constexpr = SHAPE.BM
     BN: tl.constexpr = SHAPE.BN
     D: tl.constexpr = SHAPE.D
     DP: tl.constexpr = SHAPE.DP
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hq = i_bh // HQ, i_bh % HQ
     s_qt, s_qh = s_q
     s_kt, s_kh = s_k
     s_ot, s_oh = s_o
-    o_tok = i_m * BM + tl.arange(0, BM)
-    m_tok = o_tok < Tq
+    i_m, i_bh, i_b, i_hq, o_tok, m_tok, p_kh, p_vh = _query_program(p_kc, p_vc, s_kb, s_kh, Tq,
+                                                                     HQ, SHAPE.G, BM)
     p_qh = p_q + i_b.to(tl.int64) * s_qb + i_hq * s_qh
     b_q = _rows(p_qh, o_tok, m_tok, s_qt, D, DP)
-    p_kh = p_kc + i_b.to(tl.int64) * s_kb + (i_hq // G) * s_kh
-    p_vh = p_vc + i_b.to(tl.int64) * s_kb + (i_hq // G) * s_kh
     b_m = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
     b_acc = tl.zeros([BM, DP], tl.float32)
@@ -115,23 +121,18 @@ def _lse_log2(p_lse, p_delta, i_bh, o_tok, m_tok, Tq):
 @triton.jit
 def _coarse_dq_kernel(p_q, p_kc, p_vc, p_do, p_lse, p_delta, p_dq, s_qb, s_q, s_kb, s_k,
                       Tq, N, t_first, C, scale, HQ, SHAPE: tl.constexpr):
-    G: tl.constexpr = SHAPE.G
     BM: tl.constexpr = SHAPE.BM
     BN: tl.constexpr = SHAPE.BN
     D: tl.constexpr = SHAPE.D
     DP: tl.constexpr = SHAPE.DP
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hq = i_bh // HQ, i_bh % HQ
     s_qt, s_qh = s_q
     s_kt, s_kh = s_k
-    o_tok = i_m * BM + tl.arange(0, BM)
-    m_tok = o_tok < Tq
+    i_m, i_bh, i_b, i_hq, o_tok, m_tok, p_kh, p_vh = _query_program(p_kc, p_vc, s_kb, s_kh, Tq,
+                                                                     HQ, SHAPE.G, BM)
     o_qh = i_b.to(tl.int64) * s_qb + i_hq * s_qh  # q, dO and dQ share q's layout
     b_q = _rows(p_q + o_qh, o_tok, m_tok, s_qt, D, DP)
     b_do = _rows(p_do + o_qh, o_tok, m_tok, s_qt, D, DP)
     b_lse, b_delta = _lse_log2(p_lse, p_delta, i_bh, o_tok, m_tok, Tq)
-    p_kh = p_kc + i_b.to(tl.int64) * s_kb + (i_hq // G) * s_kh
-    p_vh = p_vc + i_b.to(tl.int64) * s_kb + (i_hq // G) * s_kh
     b_dq = tl.zeros([BM, DP], tl.float32)
     n_hi = tl.minimum(N, (t_first + tl.minimum((i_m + 1) * BM, Tq)) // C)
     for n0 in range(0, n_hi, BN):
