@@ -241,7 +241,7 @@ def _warmup_parser(sub) -> argparse.ArgumentParser:
                    help="query heads / key-value heads / head dim, e.g. 32/8/128 (repeatable)")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS),
                    help="train (pisa_attn fwd+bwd), prefill (no grad), decode (PisaCache and "
-                   "pisa_attn_with_kvcache); default all")
+                   "pisa_attn_with_kvcache), varlen (pisa_attn_varlen fwd+bwd); default all")
     p.add_argument("--lengths", type=int, nargs="+", default=[8192])
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--device", default="cuda")

@@ -9,6 +9,8 @@ binaries for later processes.
 Ops (what a call of the library runs):
 - ``train``: ``pisa_attn`` forward and backward (key ``pisa_attn``, grad);
 - ``prefill``: ``pisa_attn`` without gradient (inference prefill without a cache);
+- ``varlen``: ``pisa_attn_varlen`` forward and backward over two packed sequences (key
+  ``varlen``; HF's padded and packed batches run it);
 - ``decode``: a ``PisaCache`` filled by chunked prefill, then decode steps, through
   ``pisa_attn_with_kvcache`` (key ``kvcache``), twice: with decode's defaults, and with the
   given knobs over a cache with key bounds (what ``PisaHFCache`` runs for a model's knobs).
@@ -19,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from .api import pisa_attn, pisa_attn_with_kvcache
+from .api import pisa_attn, pisa_attn_varlen, pisa_attn_with_kvcache
 from .cache import PisaCache
 from .ops.utils.kernel_cache import call_key, record, user_manifest, write_manifest
 
-OPS = ("train", "prefill", "decode")
+OPS = ("train", "prefill", "decode", "varlen")
 DECODE_STEPS = 3
 
 
@@ -69,9 +71,17 @@ def _decode(T, shape, dtype, device, knobs) -> None:
             pisa_attn_with_kvcache(q[:, t:t + 1], cache, k[:, t:t + 1], v[:, t:t + 1], **kw)
 
 
-RUN = {"train": _train, "prefill": _prefill, "decode": _decode}
+def _varlen(T, shape, dtype, device, knobs) -> None:
+    q, k, v = (x[0] for x in _qkv(T, *shape, dtype, device, True))  # [T, H, D]: packed rows
+    lens = [T // 3, T - T // 3]
+    cu = torch.tensor([0, lens[0], T], dtype=torch.int32, device=device)
+    o = pisa_attn_varlen(q, k, v, cu, cu, max(lens), max(lens), **knobs)
+    o.backward(torch.randn_like(o))
+
+
+RUN = {"train": _train, "prefill": _prefill, "decode": _decode, "varlen": _varlen}
 KEY = {"train": ("pisa_attn", True), "prefill": ("pisa_attn", False),
-       "decode": ("kvcache", False)}
+       "decode": ("kvcache", False), "varlen": ("varlen", True)}
 
 
 def warmup(shapes: list[tuple[int, int, int]], *, ops=OPS, lengths=(8192,),
@@ -81,7 +91,7 @@ def warmup(shapes: list[tuple[int, int, int]], *, ops=OPS, lengths=(8192,),
 
     Args:
         shapes: the attention shapes of a model (query heads, key/value heads, head dim).
-        ops: any of ``"train"``, ``"prefill"``, ``"decode"`` (default all).
+        ops: any of ``"train"``, ``"prefill"``, ``"decode"``, ``"varlen"`` (default all).
         lengths: sequence lengths to run (default 8192; kernel variants do not depend on the
             length, except through knobs such as ``selector="auto"``).
         dtype: default bf16. device: a CUDA device (default "cuda").
