@@ -148,3 +148,19 @@ def test_gpu_manifest_compiles_the_first_call_ahead(tmp_path):
     assert without.split()[1] != "0" and without.split()[3] == "0", without
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("op", ["train", "prefill", "decode", "varlen"])
+def test_each_warmup_op_runs_its_calls(op, monkeypatch):
+    """Each op's calls run (here on the CPU, torch backend) and reach the public function whose
+    key ``warmup`` records them under."""
+    import pisa.warmup as pw
+    seen = []
+    entry, grad = pw.KEY[op]
+    name = {"pisa_attn": "pisa_attn", "kvcache": "pisa_attn_with_kvcache",
+            "varlen": "pisa_attn_varlen"}[entry]
+    real = getattr(pw, name)
+    monkeypatch.setattr(pw, name, lambda *a, **kw: seen.append(torch.is_grad_enabled())
+                        or real(*a, **kw))
+    pw.RUN[op](700, (4, 2, 32), torch.float32, "cpu", {"block_size": 16, "topk": 4})
+    assert seen and all(g == grad or entry == "kvcache" for g in seen)
