@@ -97,12 +97,13 @@ def _knob_docs(fn):
     return fn
 
 
-def _precompile(entry: str, backend: str, q: torch.Tensor, num_kv_heads: int, *grads) -> None:
+def _precompile(entry: str, backend: str, cfg: SelectConfig, q: torch.Tensor, num_kv_heads: int,
+                *grads) -> None:
     """The first Triton call of a kind compiles its recorded kernels at once (``kernel_cache``);
     ``grads``: the tensors whose ``requires_grad`` means a backward follows."""
     if backend == "triton" and q.is_cuda:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in grads)
-        precompile(entry, q, num_kv_heads, grad)
+        precompile(entry, q, num_kv_heads, grad, cfg)
 
 
 def _empty_batch(q: torch.Tensor) -> bool:
@@ -146,11 +147,11 @@ def pisa_select(q: torch.Tensor, k: torch.Tensor, *, block_size: int = _C, topk:
     """
     check_qk(q, k)
     backend = resolve_backend(backend, q)
-    _precompile("pisa_select", backend, q, k.shape[-2])
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
                          beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
                          selector=selector, forced_in_budget=forced_in_budget, scale=scale,
                          query_tile=query_tile, tile_reduce=tile_reduce)
+    _precompile("pisa_select", backend, cfg, q, k.shape[-2])
     if _empty_batch(q):
         B, HKV = q.shape[0], k.shape[2]
         rows = n_query_tiles(q.shape[1], k.shape[1], cfg.query_tile)
@@ -224,7 +225,6 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
     """
     check_qk(q, k, v)
     backend = resolve_backend(backend, q)
-    _precompile("pisa_attn", backend, q, k.shape[-2], q, k, v)
     cfg = resolve_config(q, k, backend, block_size=block_size, topk=topk, branching=branching,
                          beam=beam, beam_leaf=beam_leaf, beam_ref_len=beam_ref_len, scorer=scorer,
                          selector=selector, forced_in_budget=forced_in_budget, scale=scale,
@@ -235,6 +235,7 @@ def pisa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: 
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if _runs_dense(dense_below, q, k, block_idx, return_lse):
         return dense_causal_attn(q, k, v, cfg.scale)
+    _precompile("pisa_attn", backend, cfg, q, k.shape[-2], q, k, v)
     tile = cfg.query_tile
     if block_idx is not None:
         tile = _given_tile(block_idx, q, tile)
@@ -255,12 +256,13 @@ def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_qk(q[None], k[None], None if v is None else v[None])
     backend = resolve_backend(backend, q)
-    _precompile("varlen", backend, q, k.shape[-2], *(() if v is None else (q, k, v)))
     if backend == "naive":
         raise ValueError("backend='naive' has no packed-sequence form: use 'torch' or 'triton' "
                          "(or the naive pisa_attn on each sequence)")
     # selector="auto" and beam_ref_len: one choice for every sequence, by the longest
-    return backend, resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k, **knobs)
+    cfg = resolve_config(q[None], k[None], backend, seqlen_k=max_seqlen_k, **knobs)
+    _precompile("varlen", backend, cfg, q, k.shape[-2], *(() if v is None else (q, k, v)))
+    return backend, cfg
 
 
 def _layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, cfg) -> VarlenLayout:
@@ -483,13 +485,13 @@ def pisa_attn_with_kvcache(q: torch.Tensor, cache: PisaCache, k_new: torch.Tenso
     rows = cache.prepare(q, k_new, v_new, cache_seqlens=cache_seqlens, block_table=block_table,
                          cache_batch_idx=cache_batch_idx)
     backend = resolve_backend(backend, q)
-    _precompile("kvcache", backend, q, cache.k_cache.shape[-2])
     # C and g are the cache's; selector="auto" and beam_ref_len go by its capacity
     cfg = _step_config(q, backend, seqlen_k=cache.max_seqlen, block_size=cache.block_size,
                        branching=cache.branching, topk=topk, beam=beam, beam_leaf=beam_leaf,
                        beam_ref_len=beam_ref_len, scorer=scorer, selector=selector,
                        forced_in_budget=forced_in_budget, scale=scale, query_tile=query_tile,
                        tile_reduce=tile_reduce)
+    _precompile("kvcache", backend, cfg, q, cache.k_cache.shape[-2])
     o, lse = cache.attend(q, rows, k_new, v_new, cfg=cfg, backend=backend)
     return (o, lse) if return_lse else o
 

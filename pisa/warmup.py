@@ -1,18 +1,19 @@
 """``pisa warmup``: compile the Triton kernels of a model's shapes ahead of time and record them.
 
 Each (shape, op) runs once on random inputs while ``pisa.ops.utils.kernel_cache.record`` notes
-every kernel variant it compiles under the key the public function's first call will look up
-(``call_key``); the manifest then lets a fresh process compile them all at once, in parallel,
+every kernel variant it compiles under the ``call_key`` of the public call it ran for (entry
+point, dtype, heads, gradient, a digest of the resolved knobs), the key that call's first run in
+another process looks up; the manifest then lets a fresh process compile them all at once, in parallel,
 before its first launch (``kernel_cache.precompile``), and Triton's on-disk cache keeps the
 binaries for later processes.
 
 Ops (what a call of the library runs):
-- ``train``: ``pisa_attn`` forward and backward (key ``pisa_attn``, grad);
+- ``train``: ``pisa_attn`` forward and backward;
 - ``prefill``: ``pisa_attn`` without gradient (inference prefill without a cache);
-- ``varlen``: ``pisa_attn_varlen`` forward and backward over two packed sequences (key
-  ``varlen``; HF's padded and packed batches run it);
+- ``varlen``: ``pisa_attn_varlen`` forward and backward over two packed sequences (HF's padded
+  and packed batches run it);
 - ``decode``: a ``PisaCache`` filled by chunked prefill, then decode steps, through
-  ``pisa_attn_with_kvcache`` (key ``kvcache``), twice: with decode's defaults, and with the
+  ``pisa_attn_with_kvcache``, twice: with decode's defaults, and with the
   given knobs over a cache with key bounds (what ``PisaHFCache`` runs for a model's knobs).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from .api import pisa_attn, pisa_attn_varlen, pisa_attn_with_kvcache
 from .cache import PisaCache
-from .ops.utils.kernel_cache import call_key, record, user_manifest, write_manifest
+from .ops.utils.kernel_cache import record, user_manifest, write_manifest
 
 OPS = ("train", "prefill", "decode", "varlen")
 DECODE_STEPS = 3
@@ -80,9 +81,6 @@ def _varlen(T, shape, dtype, device, knobs) -> None:
 
 
 RUN = {"train": _train, "prefill": _prefill, "decode": _decode, "varlen": _varlen}
-KEY = {"train": ("pisa_attn", True), "prefill": ("pisa_attn", False),
-       "decode": ("kvcache", False), "varlen": ("varlen", True)}
-
 
 def warmup(shapes: list[tuple[int, int, int]], *, ops=OPS, lengths=(8192,),
            dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
@@ -111,11 +109,8 @@ def warmup(shapes: list[tuple[int, int, int]], *, ops=OPS, lengths=(8192,),
                          f"(CUDA available: {torch.cuda.is_available()})")
     targets: dict = {}
     for shape in shapes:
-        HQ, HKV, D = shape
         for op in ops:
-            entry, grad = KEY[op]
-            q = torch.empty(1, 1, HQ, D, dtype=dtype)
-            with record(call_key(entry, q, HKV, grad), targets):
+            with record(targets):
                 for T in lengths:
                     RUN[op](T, shape, dtype, device, knobs)
             torch.cuda.synchronize(device)

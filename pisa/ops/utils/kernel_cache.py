@@ -16,6 +16,7 @@ built on the H200 with ``pisa warmup``) and the user's (``$PISA_CACHE_DIR/kernel
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -24,6 +25,7 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -35,6 +37,8 @@ MAX_WORKERS = 16
 
 _lock = threading.Lock()
 _done: set[tuple] = set()  # calls this process has precompiled (or found nothing for)
+_keys: dict[tuple, str] = {}  # call -> its call_key, made once
+_current = threading.local()  # .key: the call_key of this thread's latest pisa call
 _manifests: dict | None = None  # target -> key -> entries, shipped + user, read once
 
 
@@ -44,12 +48,17 @@ def user_manifest() -> Path:
     return Path(root) / "kernels.json"
 
 
-def call_key(entry: str, q: torch.Tensor, num_kv_heads: int, grad: bool) -> str:
+def call_key(entry: str, q: torch.Tensor, num_kv_heads: int, grad: bool, cfg=None) -> str:
     """What decides the kernel variants of a call: ``entry`` (the public function), ``q``'s dtype,
-    heads and head dim, the key/value heads, and whether a backward follows."""
+    heads and head dim, the key/value heads, whether a backward follows, and with ``cfg`` (its
+    resolved ``SelectConfig``) a digest of the knobs (the softmax scale aside: a runtime value)."""
     HQ, D = q.shape[-2], q.shape[-1]
-    return f"{entry}|{str(q.dtype).removeprefix('torch.')}|{HQ}/{num_kv_heads}/{D}|" \
-           f"{'grad' if grad else 'nograd'}"
+    key = f"{entry}|{str(q.dtype).removeprefix('torch.')}|{HQ}/{num_kv_heads}/{D}|" \
+          f"{'grad' if grad else 'nograd'}"
+    if cfg is None:
+        return key
+    knobs = sorted((f.name, getattr(cfg, f.name)) for f in fields(cfg) if f.name != "scale")
+    return f"{key}|{hashlib.sha1(repr(knobs).encode()).hexdigest()[:12]}"
 
 
 def target() -> str:
@@ -77,11 +86,14 @@ def _merge(into: dict, targets: dict) -> dict:
 
 
 def manifest_entries(key: str) -> list[dict]:
-    """The recorded kernels of ``key`` for this process's target, shipped and user manifests."""
+    """The recorded kernels of ``key`` for this process's target, shipped and user manifests; for
+    a key with a knob digest that none recorded, those of its key without one (a manifest
+    recorded before keys named the knobs: every variant of the call's shape)."""
     global _manifests
     if _manifests is None:
         _manifests = _merge(_merge({}, _read(SHIPPED)), _read(user_manifest()))
-    return _manifests.get(target(), {}).get(key, [])
+    keys = _manifests.get(target(), {})
+    return keys.get(key) or keys.get(key.rsplit("|", 1)[0] if key.count("|") > 3 else key, [])
 
 
 def _kernel(name: str):
@@ -140,19 +152,25 @@ def _preload(entry: dict, device: int) -> None:
                        dict(zip(map(tuple, spec["attrs_keys"]), spec["attrs_vals"])), warmup=True)
 
 
-def precompile(entry: str, q: torch.Tensor, num_kv_heads: int, grad: bool) -> None:
+def precompile(entry: str, q: torch.Tensor, num_kv_heads: int, grad: bool, cfg=None) -> None:
     """Compile the kernels recorded for this call's ``call_key`` in parallel, once per process
-    and key (later calls cost a set lookup); the call's own launches then find them compiled.
+    and key (later calls cost a dict lookup); the call's own launches then find them compiled.
     Entries that no longer fit a kernel (its parameters changed since they were recorded) are
-    skipped with a warning: the launch compiles as usual."""
-    seen = (entry, q.dtype, q.shape[-2], num_kv_heads, q.shape[-1], grad)
+    skipped with a warning: the launch compiles as usual. The key is also this thread's current
+    call, which ``record`` files the kernels it compiles under."""
+    seen = (entry, q.dtype, q.shape[-2], num_kv_heads, q.shape[-1], grad, cfg)
+    key = _keys.get(seen)
+    if key is None:
+        if len(_keys) >= 1024:  # configs that come and go (tests): no unbounded growth
+            _keys.clear()
+        key = _keys[seen] = call_key(entry, q, num_kv_heads, grad, cfg)
+    _current.key = key
     if seen in _done or os.environ.get("PISA_PRECOMPILE") == "0" \
             or os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter compiles nothing
         return
     with _lock:
         if seen in _done:
             return
-        key = call_key(entry, q, num_kv_heads, grad)
         entries = manifest_entries(key)
         if entries:
             device = torch.cuda.current_device()
@@ -185,30 +203,33 @@ def _forget_compiled() -> None:
 
 
 @contextmanager
-def record(key: str, into: dict):
+def record(into: dict):
     """Collect into ``into`` (target -> key -> entries) every pisa kernel variant the block
-    launches, under ``key`` (each is compiled again for it, from Triton's disk cache when
-    there)."""
+    launches, each under the ``call_key`` of the public call it ran for (``precompile`` names
+    it; a backward's kernels go with their forward's call). Each is compiled again for it
+    (from Triton's disk cache when there)."""
     import triton
     _forget_compiled()
     knobs = triton.knobs.runtime
     previous = knobs.jit_post_compile_hook
-    entries = into.setdefault(target(), {}).setdefault(key, [])
+    tgt = target()
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        name = f"{fn.module}:{fn.name}"
-        entry = {"kernel": name, "spec": compile["specialization_data"],
-                 "constants": [[list(path), encode(v)]
-                               for path, v in compile["constants"].items()]}
-        if fn.module.startswith("pisa.") and entry not in entries:
-            entries.append(entry)
+        call = getattr(_current, "key", None)
+        if fn.module.startswith("pisa.") and call is not None:
+            entries = into.setdefault(tgt, {}).setdefault(call, [])
+            entry = {"kernel": f"{fn.module}:{fn.name}", "spec": compile["specialization_data"],
+                     "constants": [[list(path), encode(v)]
+                                   for path, v in compile["constants"].items()]}
+            if entry not in entries:
+                entries.append(entry)
         return previous(key=key, repr=repr, fn=fn, compile=compile,
                         is_manual_warmup=is_manual_warmup,
                         already_compiled=already_compiled) if previous else None
 
     knobs.jit_post_compile_hook = hook
     try:
-        yield entries
+        yield into
     finally:
         knobs.jit_post_compile_hook = previous
 

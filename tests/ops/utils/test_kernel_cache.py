@@ -22,6 +22,61 @@ def test_call_key_names_what_decides_the_variants():
     assert kc.call_key("kvcache", q.half(), 4, False) == "kvcache|float16|32/4/128|nograd"
 
 
+def test_call_key_digests_the_knobs_but_not_the_scale():
+    from dataclasses import replace
+
+    from pisa.ops.utils.config import SelectConfig
+    q = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16)
+    cfg = SelectConfig(scale=0.1)
+    key = kc.call_key("pisa_attn", q, 8, True, cfg)
+    assert key.startswith("pisa_attn|bfloat16|32/8/128|grad|") and key.count("|") == 4
+    assert kc.call_key("pisa_attn", q, 8, True, replace(cfg, scale=0.3)) == key
+    assert kc.call_key("pisa_attn", q, 8, True, replace(cfg, scorer="lse")) != key
+
+
+def test_manifest_entries_fall_back_to_the_key_without_knobs(tmp_path, monkeypatch):
+    """A manifest recorded before keys named the knobs serves every knob setting of its shape."""
+    monkeypatch.setenv("PISA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kc, "SHIPPED", tmp_path / "none.json")
+    monkeypatch.setattr(kc, "target", lambda: "t")
+    monkeypatch.setattr(kc, "_manifests", None)
+    a, b = {"kernel": "m:a", "spec": "{}"}, {"kernel": "m:b", "spec": "{}"}
+    kc.write_manifest(kc.user_manifest(), {"t": {"e|bf16|1/1/64|grad": [a],
+                                                 "e|bf16|1/1/64|grad|abc": [b]}})
+    assert kc.manifest_entries("e|bf16|1/1/64|grad|abc") == [b]
+    assert kc.manifest_entries("e|bf16|1/1/64|grad|xyz") == [a]
+    assert kc.manifest_entries("e|bf16|1/1/64|nograd|abc") == []
+
+
+def test_record_files_compiles_under_the_latest_call(monkeypatch):
+    """The post-compile hook files each pisa kernel under this thread's latest call key (a
+    backward's kernels under their forward's call) and ignores other kernels."""
+    import triton
+    from types import SimpleNamespace
+    monkeypatch.setattr(kc, "target", lambda: "t")
+    monkeypatch.setattr(kc, "_forget_compiled", lambda: None)
+    into = {}
+
+    def compiled(module, name):
+        triton.knobs.runtime.jit_post_compile_hook(
+            key="k", repr="r", fn=SimpleNamespace(module=module, name=name),
+            compile={"specialization_data": name, "constants": {(3,): 16}},
+            is_manual_warmup=False, already_compiled=False)
+
+    with kc.record(into):
+        kc._current.key = "call-1"
+        compiled("pisa.ops.x", "_fwd")
+        compiled("other.lib", "_k")
+        compiled("pisa.ops.x", "_fwd")  # again: kept once
+        kc._current.key = "call-2"
+        compiled("pisa.ops.x", "_bwd")
+    assert triton.knobs.runtime.jit_post_compile_hook is None
+    assert into == {"t": {"call-1": [{"kernel": "pisa.ops.x:_fwd", "spec": "_fwd",
+                                      "constants": [[[3], 16]]}],
+                          "call-2": [{"kernel": "pisa.ops.x:_bwd", "spec": "_bwd",
+                                      "constants": [[[3], 16]]}]}}
+
+
 def test_write_manifest_merges_without_duplicates(tmp_path):
     path = tmp_path / "sub" / "kernels.json"
     a = {"kernel": "pisa.ops.x:_k", "spec": "{}"}
@@ -126,7 +181,8 @@ def test_gpu_manifest_compiles_the_first_call_ahead(tmp_path):
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, 3000, h, 64, device="cuda", dtype=torch.bfloat16, generator=g)
                    .requires_grad_() for h in (8, 2, 2))
-        kernel_cache.precompile("pisa_attn", q, 2, True)
+        from pisa.ops.utils.config import resolve_config
+        kernel_cache.precompile("pisa_attn", q, 2, True, resolve_config(q, k, "triton"))
         n = triton_variants()
         o = pisa.pisa_attn(q, k, v)
         o.backward(torch.ones_like(o))
@@ -156,11 +212,11 @@ def test_each_warmup_op_runs_its_calls(op, monkeypatch):
     key ``warmup`` records them under."""
     import pisa.warmup as pw
     seen = []
-    entry, grad = pw.KEY[op]
-    name = {"pisa_attn": "pisa_attn", "kvcache": "pisa_attn_with_kvcache",
-            "varlen": "pisa_attn_varlen"}[entry]
+    name, grad = {"train": ("pisa_attn", True), "prefill": ("pisa_attn", False),
+                  "decode": ("pisa_attn_with_kvcache", None),
+                  "varlen": ("pisa_attn_varlen", True)}[op]
     real = getattr(pw, name)
     monkeypatch.setattr(pw, name, lambda *a, **kw: seen.append(torch.is_grad_enabled())
                         or real(*a, **kw))
     pw.RUN[op](700, (4, 2, 32), torch.float32, "cpu", {"block_size": 16, "topk": 4})
-    assert seen and all(g == grad or entry == "kvcache" for g in seen)
+    assert seen and all(g == grad or grad is None for g in seen)
