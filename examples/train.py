@@ -28,9 +28,10 @@ blocks, so heads share the work). The 150 steps take about a minute on one CPU t
 What the selection alone is slow at: retrieval it seldom stumbles on. With ``--period`` half the
 sequence the source block is one of ~``T / C`` candidates that the walk at initialisation rarely
 shows a head, and no gradient tells the selection where to look: at ``--seqlen 512 --period 256``
-the loss falls below half of chance at step 99 with PISA against 65 with dense attention (seed 0,
-``benchmarks/training/copy_recipes.py``). ``--compressed`` (a gated branch over every block's mean
-key and value, whose gradient trains them) brings it to step 66 (``docs/training.md``).
+the loss falls below half of chance at step 99 / 61 / 90 with PISA against 65 / 59 / 68 with dense
+attention (seeds 0 / 1 / 2, ``benchmarks/training/copy_recipes.py``); ``--compressed`` (a gated
+branch over every block's mean key and value, whose gradient trains them) 66 / 73 / 80
+(``docs/training.md``).
 
     python examples/train.py                  # PISA, 150 steps, ~1 min on CPU
     python examples/train.py --attn dense     # the same model with dense (SDPA) attention
