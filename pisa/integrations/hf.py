@@ -28,6 +28,7 @@ transformers 5.24.0 (see ``docs/integrations.md``).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ except ImportError as e:  # transformers 4 has no CacheLayerMixin
 from ..api import pisa_attn, pisa_attn_varlen, pisa_attn_with_kvcache
 from ..cache import PisaCache
 from ..ops.utils.config import BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig, resolve_backend
-from ..ops.utils.varlen import RowGather, inverse_rows
+from ..ops.utils.varlen import RowGather, inverse_rows, seq_of
 
 NAME = "pisa"
 # The attribute on the keys PisaCacheLayer.update returns that names their pisa.PisaCache.
@@ -150,14 +151,22 @@ def pisa_layers_of(config) -> frozenset[int] | None:
                                                                    range)):
         raise TypeError(f"config.pisa_layers must be None or a list of layer indices, got "
                         f"{layers!r} ({type(layers).__name__})")
-    n = getattr(config, "num_hidden_layers", None)
+    layers = tuple(layers)
+    return _checked_layers(layers, tuple(map(type, layers)),  # True == 1: the types too
+                           getattr(config, "num_hidden_layers", None))
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_layers(layers: tuple, types: tuple, n: int | None) -> frozenset[int]:
+    """``pisa_layers_of``'s check of the indices, once per value (and their ``types``): every
+    layer of every forward asks."""
     for i in layers:
         if not isinstance(i, int) or isinstance(i, bool):
             raise TypeError(f"config.pisa_layers must hold int layer indices, got {i!r} "
-                            f"({type(i).__name__}) in {layers!r}")
+                            f"({type(i).__name__}) in {list(layers)!r}")
         if i < 0 or (n is not None and i >= n):
             raise ValueError(f"config.pisa_layers must hold layer indices in [0, "
-                             f"num_hidden_layers={n}), got {i} in {layers!r}")
+                             f"num_hidden_layers={n}), got {i} in {list(layers)!r}")
     return frozenset(layers)
 
 
@@ -178,9 +187,8 @@ def _token_seqs(cu_seqlens, rows, n_flat: int):
     """Per flat token ``[n_flat]``: its sequence in ``cu_seqlens`` and its position there (-1 at
     padding: ``rows``, the real tokens' flat indices; None when every token is real)."""
     cu = cu_seqlens.long()
-    i = torch.arange(n_flat if rows is None else rows.numel(), device=cu.device)
-    seq = torch.searchsorted(cu[1:], i, right=True)  # empty sequences are skipped
-    pos = i - cu[seq]
+    seq = seq_of(cu, n_flat if rows is None else rows.numel())  # empty sequences are skipped
+    pos = torch.arange(seq.numel(), device=cu.device) - cu[seq]
     if rows is None:
         return seq, pos
     full = torch.full((2, n_flat), -1, dtype=torch.long, device=cu.device)

@@ -112,7 +112,7 @@ class VarlenLayout:
         return gather_rows(q, self.src_q, w, backend).unsqueeze(0)
 
 
-def _seq_of(cu: torch.Tensor, total: int) -> torch.Tensor:
+def seq_of(cu: torch.Tensor, total: int) -> torch.Tensor:
     """The sequence of each of ``total`` packed tokens ``[total]`` int64 (empty sequences hold
     none)."""
     return torch.searchsorted(cu[1:], torch.arange(total, device=cu.device), right=True)
@@ -137,9 +137,9 @@ def varlen_layout(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k:
     start = torch.empty_like(size).scatter_(0, order, size[order].cumsum(0) - size[order])
     n_blocks = max(1, min(n_seq * top, g * (cdiv(total_k, C) + n_seq)))
 
-    seq_k = _seq_of(cu_k, total_k)
+    seq_k = seq_of(cu_k, total_k)
     pos_k = start[seq_k] * C + torch.arange(total_k, device=cu_k.device) - cu_k[seq_k]
-    seq_q = _seq_of(cu_q, total_q)
+    seq_q = seq_of(cu_q, total_q)
     pos_q = start[seq_q] * C + (len_k - len_q)[seq_q] \
         + torch.arange(total_q, device=cu_q.device) - cu_q[seq_q]
     sink_q = start[seq_q]
