@@ -49,7 +49,8 @@ Protocol
   comparison runs in that one shape (``--head-dim`` decouples the head width from
   ``--width``; ``--head-dim 64`` is the same group at the default head width, 4x the
   attention). nsa runs do not resume the dense stems (``--share-start``): NSA is not dense
-  while ``T <= K * C`` (its gated branches add up at any length), so they train from step 0;
+  while ``T <= K * C`` (its gated branches add up at any length), so they train from step 0
+  (so do the gated-branch arms), unless ``--stem-all`` warm-starts them from it too;
   the step count, the batches and the tokens per step stay those of every other run;
   ``meta.runs`` reports each run's ``train_seconds`` (wall time).
 
@@ -202,9 +203,16 @@ def _model(args) -> GPT:
                          backend=args.backend))
 
 
+def _param_names(model: GPT) -> list[list[str]]:
+    """The optimizer's two groups by parameter name, in its order: weights decay, the rest
+    (norms, biases) do not."""
+    named = list(model.named_parameters())
+    return [[n for n, p in named if p.dim() >= 2], [n for n, p in named if p.dim() < 2]]
+
+
 def _optimizer(model: GPT, args) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
+    params = dict(model.named_parameters())
+    decay, rest = ([params[n] for n in group] for group in _param_names(model))
     return torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
                               {"params": rest, "weight_decay": 0.0}], lr=args.lr,
                              betas=(0.9, 0.95), fused=args.device.startswith("cuda"))
@@ -222,21 +230,38 @@ def save_state(path: Path, model: GPT, opt, gen: torch.Generator, step: int, acc
                record: dict) -> None:
     """Everything the rest of a run depends on after ``step`` steps: weights, optimizer, data
     stream, the loss accumulator and the curve so far."""
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                "step": step, "acc": acc, "n_acc": n_acc, "curve": record["curve"],
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "opt_names": _param_names(model), "gen": gen.get_state(), "step": step, "acc": acc, "n_acc": n_acc, "curve": record["curve"],
                 "seconds": record["train_seconds"]}, path)
 
 
 def load_state(path: str, model: GPT, opt, gen: torch.Generator, record: dict):
-    """Continue from :func:`save_state`'s file (the stem); ``(step, acc, n_acc)``."""
+    """Continue from :func:`save_state`'s file (the stem); ``(step, acc, n_acc)``. A model with
+    parameters the stem lacks (an arm with gated branches or NSA's gates warm-started from the
+    dense stem, ``--stem-all``) starts those fresh, with empty optimizer moments."""
     state = torch.load(path, map_location=next(model.parameters()).device, weights_only=False)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if unexpected:
+        raise ValueError(f"stem {path} has parameters this model lacks: {unexpected}")
+    opt.load_state_dict(_opt_state_for(state["opt"], state["opt_names"], _param_names(model)))
     gen.set_state(state["gen"].cpu())  # map_location moved it to the device
     record["curve"] = list(state["curve"])
     record["stem"] = {"file": Path(path).name, "steps": state["step"],
                       "train_seconds": state["seconds"]}
     return state["step"], state["acc"], state["n_acc"]
+
+
+def _opt_state_for(saved: dict, saved_names: list[list[str]], names: list[list[str]]) -> dict:
+    """``saved`` (an optimizer state dict over ``saved_names``' parameters) re-indexed for an
+    optimizer over ``names`` (the same groups, possibly more parameters: those have no state)."""
+    old = {n: i for i, n in enumerate(n for group in saved_names for n in group)}
+    new = [n for group in names for n in group]
+    groups, start = [], 0
+    for group, hyper in zip(names, saved["param_groups"]):
+        groups.append(dict(hyper, params=list(range(start, start + len(group)))))
+        start += len(group)
+    return {"state": {j: saved["state"][old[n]] for j, n in enumerate(new)
+                      if n in old and old[n] in saved["state"]}, "param_groups": groups}
 
 
 def train(model: GPT, args, train_data: torch.Tensor, record: dict, log) -> None:
@@ -498,11 +523,13 @@ def plan(args) -> list[dict]:
                 max(fits, args.warmup_frac if schedule == "warmup" else 0.0)
             runs.append({"name": f"{arm}{k or ''}_{schedule}_s{seed}", "arm": arm, "K": k,
                          "seed": seed, "schedule": schedule, "lr": args.lr, "sweep": False,
-                         "dense_frac": dense_frac})
+                         "dense_frac": dense_frac,
+                         "from_stem": args.stem_all or dense_within_budget(arm)})
     for mult in args.sweep:
         lr = args.lr * mult
         runs.append({"name": f"dense_lr{lr:g}_s0", "arm": "dense", "K": None, "seed": 0,
-                     "schedule": "sparse", "lr": lr, "sweep": True, "dense_frac": 1.0})
+                     "schedule": "sparse", "lr": lr, "sweep": True, "dense_frac": 1.0,
+                     "from_stem": False})
     return runs
 
 
@@ -517,8 +544,9 @@ def stem_steps(args, runs: list[dict]) -> int:
     attention (``T <= K * C`` for every sparse run; ``PisaAttention`` runs SDPA there, as the
     dense arm does), the same initialisation, data and learning rate per seed. One stem per seed
     trains them and every run of that seed resumes from its state (``--share-start``; the step
-    count must be fixed). Runs of arms that are never dense (nsa: ``resumes_stem`` False) train
-    from step 0 and do not bound it. 0: nothing to share."""
+    count must be fixed). Runs of arms that are never dense (nsa, the gated-branch arms:
+    ``resumes_stem`` False) train from step 0 and do not bound it, unless ``--stem-all`` warm-starts
+    them from the dense stem too. 0: nothing to share."""
     reach = min((r["K"] * args.block_size for r in runs if r["K"] and resumes_stem(r)),
                 default=None)
     if args.steps is None or not args.share_start or reach is None:
@@ -528,10 +556,11 @@ def stem_steps(args, runs: list[dict]) -> int:
 
 
 def resumes_stem(run: dict) -> bool:
-    """Whether ``run`` resumes its seed's dense stem (with ``--share-start``): its arm computes
-    dense attention while every block fits (``pisa.eval.gpt.dense_within_budget``), and it is
-    not a learning-rate sweep run."""
-    return dense_within_budget(run.get("arm", "dense")) and not run.get("sweep", False)
+    """Whether ``run`` resumes its seed's dense stem (with ``--share-start``; ``plan`` decides):
+    its arm computes dense attention while every block fits (``pisa.eval.gpt.dense_within_budget``)
+    or ``--stem-all`` warm-starts every arm from it (a dense warm-up: the branches' gates and
+    NSA's start fresh at the stem's end), and it is not a learning-rate sweep run."""
+    return run["from_stem"]
 
 
 def stem_key(args, seed: int, steps: int) -> dict:
@@ -796,7 +825,8 @@ def merge(args, runs: list[dict], work: Path, corpus_info: dict, calib, t0: floa
         | {"test_T": args.test_T, "eval_beams": args.eval_beams, "eval_grown": args.eval_grown,
            "lr": args.lr, "seeds": args.seeds, "arms": args.arms,
            "warmup_arms": args.warmup_arms, "time_budget": args.time_budget,
-           "curriculum": args.phases, "gpus": args.gpus, "share_start": args.share_start},
+           "curriculum": args.phases, "gpus": args.gpus, "share_start": args.share_start,
+           "stem_all": args.stem_all},
         "tasks": list(TRAIN_TASKS), "corpus": corpus_info, "calibration": calib,
         "runs": run_info, "stems": [_run_info(s, _record(work, s["name"])) for s in stems],
         "lr_sweep": sorted(sweep, key=lambda s: s["lr"]),
@@ -859,6 +889,9 @@ def parse_args(argv=None):
                     help="with --steps: train the curriculum's start, where every arm attends "
                          "every block (T <= K * C), once per seed and resume every run of that "
                          "seed from it")
+    ap.add_argument("--stem-all", action="store_true",
+                    help="with --share-start: every arm (nsa and the gated-branch arms too) "
+                         "resumes its seed's dense stem, the stem a dense warm-up for those")
     ap.add_argument("--stem-dir", help="folder the stems are saved in and reused from by a "
                     "later launch with the same settings (default: the scratch folder)")
     ap.add_argument("--gpus", type=int,

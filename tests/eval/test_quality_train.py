@@ -166,6 +166,40 @@ def test_a_run_resumed_from_a_dense_stem_equals_the_run_trained_straight(site, t
     assert resumed["rows"] == straight["rows"] and resumed["beam_rows"] == straight["beam_rows"]
 
 
+def test_stem_all_warm_starts_a_branch_arm_from_the_dense_stem(site, tmp_path):
+    """``--stem-all``: an arm with parameters the dense stem lacks (pisa_cmp_win's gates) resumes
+    it: the shared weights and their Adam moments are the stem's, the gates start fresh."""
+    qt = _script()
+    base = ["--topk", "16", "--steps", "4", "--site", str(site), "--out", str(tmp_path)] + \
+        TINY + ["--curriculum", "256:0.5"]
+    state = tmp_path / "stem.pt"
+    threads = torch.get_num_threads()
+    try:
+        qt.main(["--run", "stem", "--arm", "dense", "--stop-at", "2", "--save-state",
+                 str(state)] + base)
+        resumed = qt.main(["--run", "resumed", "--arm", "pisa_cmp_win", "--resume", str(state)]
+                          + base)
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed["status"] == "done" and resumed["steps"] == 4 and resumed["stem"]["steps"] == 2
+    saved = torch.load(state, weights_only=False)
+    args = qt.parse_args(["--arm", "pisa_cmp_win"] + base)
+    model = qt._model(args)
+    opt = qt._optimizer(model, args)
+    qt.load_state(str(state), model, opt, torch.Generator(), {})
+    stem_names = {n for group in saved["opt_names"] for n in group}
+    fresh = [n for n, _ in model.named_parameters() if n not in stem_names]
+    assert fresh and all("gate" in n for n in fresh)
+    for name, p in model.named_parameters():
+        if name in stem_names:
+            assert torch.equal(p, saved["model"][name])
+            i = [n for g in saved["opt_names"] for n in g].index(name)
+            assert torch.equal(opt.state[p]["exp_avg"], saved["opt"]["state"][i]["exp_avg"])
+        else:
+            assert p not in opt.state
+    assert [g["weight_decay"] for g in opt.param_groups] == [args.wd, 0.0]
+
+
 def test_stem_flags_go_together(site):
     with pytest.raises(SystemExit):
         _script().parse_args(["--stop-at", "2", "--device", "cpu"])
@@ -175,7 +209,8 @@ def test_stem_steps_end_where_the_first_run_turns_sparse():
     qt = _script()
     args = qt.parse_args(["--train-T", "4096", "--curriculum", "256:0.6", "2048:0.2", "--steps",
                           "1000", "--device", "cpu"])
-    runs = [{"K": None}, {"K": 16}, {"K": 8}]
+    runs = [{"K": None, "from_stem": True}, {"K": 16, "from_stem": True},
+            {"K": 8, "from_stem": True}]
     assert qt.stem_steps(args, runs) == 600  # 2048 > 8 * 64 and > 16 * 64
     assert qt.stem_steps(args, runs[:1]) == 0  # no sparse run: nothing to share
     args.block_size = 128  # 16 * 128 = 2048: K = 8 (1024) still turns sparse at 2048
@@ -184,6 +219,8 @@ def test_stem_steps_end_where_the_first_run_turns_sparse():
     assert qt.stem_steps(args, runs) == 0
     args.share_start, args.steps = True, None  # steps set by calibration: no stem
     assert qt.stem_steps(args, runs) == 0
+    args.steps = 1000  # a run that does not resume the stem (nsa) does not bound it
+    assert qt.stem_steps(args, runs[:2] + [{"K": 8, "from_stem": False}]) == 800
 
 
 @pytest.mark.slow  # ~25 s of subprocess launches: the benchmark launcher, not the library
