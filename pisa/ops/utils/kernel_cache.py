@@ -39,6 +39,7 @@ _lock = threading.Lock()
 _done: set[tuple] = set()  # calls this process has precompiled (or found nothing for)
 _keys: dict[tuple, str] = {}  # call -> its call_key, made once
 _current = threading.local()  # .key: the call_key of this thread's latest pisa call
+_recording = threading.Event()  # set inside ``record``: precompile stands aside
 _manifests: dict | None = None  # target -> key -> entries, shipped + user, read once
 
 
@@ -165,7 +166,9 @@ def precompile(entry: str, q: torch.Tensor, num_kv_heads: int, grad: bool, cfg=N
             _keys.clear()
         key = _keys[seen] = call_key(entry, q, num_kv_heads, grad, cfg)
     _current.key = key
-    if seen in _done or os.environ.get("PISA_PRECOMPILE") == "0" \
+    # while recording, the call's launches compile in this thread, where the hook knows the
+    # call (a preload on the pool would compile them unseen: a thread without ``_current.key``)
+    if seen in _done or _recording.is_set() or os.environ.get("PISA_PRECOMPILE") == "0" \
             or os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter compiles nothing
         return
     with _lock:
@@ -207,9 +210,10 @@ def record(into: dict):
     """Collect into ``into`` (target -> key -> entries) every pisa kernel variant the block
     launches, each under the ``call_key`` of the public call it ran for (``precompile`` names
     it; a backward's kernels go with their forward's call). Each is compiled again for it
-    (from Triton's disk cache when there)."""
+    (from Triton's disk cache when there); ``precompile`` does nothing meanwhile."""
     import triton
     _forget_compiled()
+    _recording.set()
     knobs = triton.knobs.runtime
     previous = knobs.jit_post_compile_hook
     tgt = target()
@@ -232,6 +236,7 @@ def record(into: dict):
         yield into
     finally:
         knobs.jit_post_compile_hook = previous
+        _recording.clear()
 
 
 def write_manifest(path: Path, targets: dict) -> None:

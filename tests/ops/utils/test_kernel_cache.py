@@ -77,6 +77,26 @@ def test_record_files_compiles_under_the_latest_call(monkeypatch):
                                       "constants": [[[3], 16]]}]}}
 
 
+def test_precompile_stands_aside_while_recording(monkeypatch):
+    """Inside ``record`` a call's kernels must compile at its own launches, in the thread whose
+    latest call the hook files them under: a preload from an older manifest would compile them
+    on the pool, unseen (the first re-record kept only the calls no manifest had)."""
+    monkeypatch.setattr(kc, "_forget_compiled", lambda: None)
+    monkeypatch.setattr(kc, "target", lambda: "t")
+    monkeypatch.delenv("PISA_PRECOMPILE", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    looked = []
+    monkeypatch.setattr(kc, "manifest_entries", lambda key: looked.append(key) or [])
+    q = torch.randn(1, 4, 8, 16)
+    with kc.record({}):
+        kc.precompile("pisa_attn", q, 2, True)
+        assert looked == [] and kc._current.key == kc.call_key("pisa_attn", q, 2, True)
+    kc._done.clear()
+    kc.precompile("pisa_attn", q, 2, True)
+    assert looked == [kc.call_key("pisa_attn", q, 2, True)]
+    kc._done.clear()
+
+
 def test_write_manifest_merges_without_duplicates(tmp_path):
     path = tmp_path / "sub" / "kernels.json"
     a = {"kernel": "pisa.ops.x:_k", "spec": "{}"}
