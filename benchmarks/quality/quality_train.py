@@ -231,7 +231,8 @@ def save_state(path: Path, model: GPT, opt, gen: torch.Generator, step: int, acc
     """Everything the rest of a run depends on after ``step`` steps: weights, optimizer, data
     stream, the loss accumulator and the curve so far."""
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "opt_names": _param_names(model), "gen": gen.get_state(), "step": step, "acc": acc, "n_acc": n_acc, "curve": record["curve"],
+                "opt_names": _param_names(model), "gen": gen.get_state(), "step": step,
+                "acc": acc, "n_acc": n_acc, "curve": record["curve"],
                 "seconds": record["train_seconds"]}, path)
 
 
@@ -240,7 +241,7 @@ def load_state(path: str, model: GPT, opt, gen: torch.Generator, record: dict):
     parameters the stem lacks (an arm with gated branches or NSA's gates warm-started from the
     dense stem, ``--stem-all``) starts those fresh, with empty optimizer moments."""
     state = torch.load(path, map_location=next(model.parameters()).device, weights_only=False)
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    unexpected = model.load_state_dict(state["model"], strict=False).unexpected_keys
     if unexpected:
         raise ValueError(f"stem {path} has parameters this model lacks: {unexpected}")
     opt.load_state_dict(_opt_state_for(state["opt"], state["opt_names"], _param_names(model)))
