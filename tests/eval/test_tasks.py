@@ -109,8 +109,11 @@ def test_facts_are_spread_over_the_whole_row(rng):
     b = make_task("needle_single", 256, T, _gen(rng))
     depth = (b.tokens == KEY).float().argmax(1) / T
     assert depth.min() < 0.1 and depth.max() > 0.85 and 0.35 < depth.mean() < 0.65
-    marks = make_task("aggregate", 64, T, _gen(rng + 1)).tokens == MARK
-    assert marks[:, :T // 4].any(1).all() and marks[:, 3 * T // 4:].any(1).all()
+    # Marks pooled over rows fill every quarter evenly (a single row of ~30 marks may miss one).
+    rows = make_task("aggregate", 64, T, _gen(rng + 1)).tokens[:, :-3]  # less the question
+    marks = (rows == MARK).nonzero()[:, 1]
+    quarters = torch.bincount(marks * 4 // T, minlength=4).float() / len(marks)
+    assert ((quarters > 0.2) & (quarters < 0.3)).all(), quarters
     row = make_task("assoc_recall", 1, T, _gen(rng + 2)).tokens[0].tolist()
     where = {k: p for p, k, _ in _facts(row, KEY, 2, 2, T)}
     gaps = [q - where[key] for q, key, _ in _questions(row, "assoc_recall")]
