@@ -307,7 +307,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
         k_cache[page, pos % C] = k_new
         v_cache[page, pos % C] = v_new
     flat = sums.view(S * N, H, D)
-    keys = k_new.reshape(B * L, H, D).to(sums.dtype)
     base = slot * N
     bounds = [] if mins is None else [(mins.view(S * N, H, D), "amin"),
                                       (maxs.view(S * N, H, D), "amax")]
@@ -315,25 +314,73 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     tables = None
     if n_levels * B * L * H * D <= _ONE_PASS_ELEMS:
         tables = _level_tables(offsets, C, branching, dev)
-    if tables is not None:
-        # every level at once: a decode step is host-bound, and a loop over the levels costs
-        # ~6 launches a level (index_add_, two scatter_reduce_, the rows' arithmetic). The rows
-        # of different levels are disjoint and each level's keys keep their order, so the sums
-        # are those of the loop below (bit for bit on CPU, and on CUDA when no two new keys share
-        # a node, as in a decode step)
-        start, span = tables
-        rows = (base + start + pos // span).reshape(-1)  # [n_levels * B * L], level-major
-        keys = keys.expand(n_levels, B * L, H, D).reshape(-1, H, D)
-        flat.index_add_(0, rows, keys)
-        for x, reduce in bounds:
-            x.scatter_reduce_(0, rows[:, None, None].expand(keys.shape), keys, reduce)
+    if tables is None:
+        _add_runs(flat, bounds, k_new.to(sums.dtype), pos[:, 0], base[:, 0], offsets, C,
+                  branching)
         return
+    # every level at once: a decode step is host-bound, and a loop over the levels costs ~6
+    # launches a level (index_add_, two scatter_reduce_, the rows' arithmetic). The rows of
+    # different levels are disjoint and each level's keys keep their order
+    start, span = tables
+    rows = (base + start + pos // span).reshape(-1)  # [n_levels * B * L], level-major
+    keys = k_new.reshape(B * L, H, D).to(sums.dtype).expand(n_levels, B * L, H, D)
+    keys = keys.reshape(-1, H, D)
+    flat.index_add_(0, rows, keys)
+    for x, reduce in bounds:
+        x.scatter_reduce_(0, rows[:, None, None].expand(keys.shape), keys, reduce)
+
+
+# A run's per-node reductions (``_add_runs``; ``Tensor`` methods and ``scatter_reduce_`` modes)
+# with their neutral values: the sums', then the bounds'.
+_FOLDS = (("sum", 0.0), ("amin", float("inf")), ("amax", float("-inf")))
+
+
+def _add_runs(flat: torch.Tensor, bounds: list, keys: torch.Tensor, first: torch.Tensor,
+              base: torch.Tensor, offsets: tuple[int, ...], C: int, branching: int) -> None:
+    """Add runs of new keys ``keys [B, L, H, D]`` (``sums``' dtype; row ``b`` at positions
+    ``first[b] + [0, L)``) into every level of the flat sums (and bounds) at rows ``base [B]``.
+
+    A prefill's run puts thousands of keys into each node: scattered straight into the levels
+    (``index_add_``, ``scatter_reduce_``), every key of the top levels would hit the same rows, and
+    the float atomics of the bounds' min / max serialise (CAS loops; the sums' adds too). Instead
+    each level's share of the run is reduced densely: the run, padded to whole nodes with the
+    neutral value, is viewed ``[B, nodes, C, H, D]`` and reduced over the node's keys, and each
+    level folds the one below ``branching`` children at a time; only those per-node partials
+    (distinct rows, O(L / C) in all) are added into the cache. No host sync; O(L) work."""
+    B, L, H, D = keys.shape
+    dev = keys.device
+    folds = _FOLDS[:1 + 2 * bool(bounds)]
+    node = first // C  # [B] the first node of the run at this level
+    parts = [_pad_fold(keys, first % C, C, *fold) for fold in folds]
     for lvl in range(1, len(offsets)):
-        span = C * branching ** (lvl - 1)  # keys under one node of this level
-        rows = (base + offsets[lvl - 1] + pos // span).reshape(-1)
-        flat.index_add_(0, rows, keys)
-        for x, reduce in bounds:
-            x.scatter_reduce_(0, rows[:, None, None].expand(B * L, H, D), keys, reduce)
+        n = parts[0].shape[1]
+        size = offsets[lvl] - offsets[lvl - 1]
+        # nodes past the level (past the run) hold the neutral value: any row of the level will do
+        at = node[:, None] + torch.arange(n, device=dev)
+        rows = (base[:, None] + offsets[lvl - 1] + at.clamp_max(size - 1)).reshape(-1)
+        for x, part, (reduce, _) in zip([flat] + [x for x, _ in bounds], parts, folds):
+            part = part.reshape(B * n, H, D)
+            if reduce == "sum":
+                x.index_add_(0, rows, part)
+            else:
+                x.scatter_reduce_(0, rows[:, None, None].expand(part.shape), part, reduce)
+        if lvl + 1 < len(offsets):
+            parts = [_pad_fold(part, node % branching, branching, *fold)
+                     for part, fold in zip(parts, folds)]
+            node = node // branching
+
+
+def _pad_fold(x: torch.Tensor, shift: torch.Tensor, group: int, fold: str,
+              fill: float) -> torch.Tensor:
+    """``x [B, n, H, D]`` placed at ``shift[b] + [0, n)`` in rows of ``fill``, cut into groups of
+    ``group`` and each group reduced by ``fold``: ``[B, m, H, D]``, ``m`` the most groups an
+    ``n``-run can touch."""
+    B, n, H, D = x.shape
+    m = (n + group - 2) // group + 1
+    at = (shift[:, None] + torch.arange(n, device=x.device))[..., None, None].expand(x.shape)
+    padded = x.new_full((B, m * group, H, D), fill).scatter_(1, at, x)
+    padded = padded.view(B, m, group, H, D)
+    return getattr(padded, fold)(2)
 
 
 # ``write_kv`` updates every level in one pass while the new keys, repeated once a level, hold at
