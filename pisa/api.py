@@ -101,7 +101,7 @@ def _precompile(entry: str, backend: str, cfg: SelectConfig, q: torch.Tensor, nu
                 *grads) -> None:
     """The first Triton call of a kind compiles its recorded kernels at once (``kernel_cache``);
     ``grads``: the tensors whose ``requires_grad`` means a backward follows."""
-    if backend == "triton" and q.is_cuda:
+    if backend == "triton" and q.is_cuda and not torch.compiler.is_compiling():
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in grads)
         precompile(entry, q, num_kv_heads, grad, cfg)
 

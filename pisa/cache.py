@@ -11,6 +11,8 @@ and SGLang).
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, replace
 
 import torch
@@ -258,14 +260,18 @@ class PisaCache:
         """``kvcache.check_cache`` of the cache's tensors with a call's lengths, table and slots
         (metadata only), once per metadata: a decode step is host-bound, and a server's steps
         repeat the same few."""
+        check = functools.partial(check_cache, self.k_cache, self.v_cache, self.sums,
+                                  rows.seqlens, self.block_size, self.branching, self.mins,
+                                  self.maxs, block_table=rows.block_table,
+                                  cache_batch_idx=rows.slots)
+        if torch.compiler.is_compiling():  # a compiled step is checked once, when traced
+            return check()
         key = (_meta(rows.seqlens), _meta(rows.block_table), _meta(rows.slots),
                id(self.k_cache), id(self.v_cache), id(self.sums), id(self.mins), id(self.maxs))
         checked = self.__dict__.setdefault("_checked", set())
         if key in checked:
             return
-        check_cache(self.k_cache, self.v_cache, self.sums, rows.seqlens, self.block_size,
-                    self.branching, self.mins, self.maxs, block_table=rows.block_table,
-                    cache_batch_idx=rows.slots)
+        check()
         if len(checked) >= 64:
             checked.clear()
         checked.add(key)
@@ -274,10 +280,13 @@ class PisaCache:
                       sync: bool) -> None:
         """The values of a caller's lengths, slots and page table, before an append of ``n_new``
         keys: on the host on CPU or with ``sync`` (chunked prefill); a CUDA decode step leaves
-        them to the kernels (an int length is checked anyway)."""
-        if cache_seqlens is not None:  # the cache keeps its own lengths in range
+        them to the kernels (an int length is checked anyway), as does a step under
+        ``torch.compile`` on any device (a read value would break the graph)."""
+        compiling = torch.compiler.is_compiling()
+        if cache_seqlens is not None and not (compiling and isinstance(cache_seqlens,
+                                                                       torch.Tensor)):
             check_seqlens(cache_seqlens, self.max_seqlen, n_new, sync=sync)
-        if sync or self.device.type == "cpu":
+        if (sync or self.device.type == "cpu") and not compiling:
             if rows.slots is not None:
                 check_batch_idx(rows.slots, self.batch_size)
             if block_table is not None:  # the cache's own pages are always in the pool

@@ -348,8 +348,12 @@ def pisa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     (zeros in the 2D ``attention_mask``) or a packed one (transformers' packed-sequence mask,
     from ``position_ids`` restarting inside a row). Raises ``ValueError`` for anything it cannot
     honour: a cache whose slots are not exactly the seen tokens (a static cache), padding and
-    packing at once, or other combined or custom mask functions.
+    packing at once, or other combined or custom mask functions. A ``kv_length`` tensor is a
+    static ``PisaHFCache``'s (its layers count on the device): None, as its attention reads the
+    cache itself.
     """
+    if isinstance(kv_length, torch.Tensor):  # PisaHFCache(static=True): the seen tokens
+        return _static_mask(mask_function, attention_mask)
     packed = None
     if mask_function is not None and mask_function is not causal_mask_function:
         packed = _packed_ids(mask_function)
@@ -370,6 +374,18 @@ def pisa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     return None if packed is None else _packed_batch(packed)
 
 
+def _static_mask(mask_function, attention_mask: torch.Tensor | None) -> None:
+    """``pisa_mask`` for a static ``PisaHFCache``, whose layers report the keys seen as a device
+    tensor: no mask, and no value read in a compiled step (padding is refused when eager)."""
+    if mask_function is not None and mask_function is not causal_mask_function:
+        raise ValueError("PisaHFCache(static=True) supports plain causal masks only")
+    if attention_mask is not None and not torch.compiler.is_compiling() \
+            and not bool(attention_mask.all()):
+        raise ValueError("PisaHFCache(static=True) does not support padded batches (zeros in "
+                         "attention_mask)")
+    return None
+
+
 def register() -> None:
     """Make ``attn_implementation="pisa"`` available to transformers (idempotent); the version
     check happens at import (transformers 4 lacks ``CacheLayerMixin``)."""
@@ -381,15 +397,19 @@ class PisaCacheLayer(CacheLayerMixin):
     """One layer of ``PisaHFCache``: a ``pisa.PisaCache`` preallocated to ``max_cache_len`` keys,
     created at the first ``update`` (batch size, heads, dtype and device from the keys); with
     ``bounds`` (the config's scorer is "bound") it keeps the key bounds from the first append, so
-    no decode step builds them (an O(max_cache_len) pass that a CUDA-graph capture cannot hold)."""
+    no decode step builds them (an O(max_cache_len) pass that a CUDA-graph capture cannot hold).
+    ``static``: the compileable form (``PisaHFCache``'s ``static=True``)."""
 
     def __init__(self, max_cache_len: int, block_size: int = SelectConfig.block_size,
-                 branching: int = SelectConfig.branching, bounds: bool = False):
+                 branching: int = SelectConfig.branching, bounds: bool = False,
+                 static: bool = False):
         super().__init__()
         self.max_cache_len, self.block_size, self.branching = max_cache_len, block_size, branching
-        self.bounds = bounds
+        self.bounds, self.is_compileable = bounds, static
         self.pisa: PisaCache | None = None
-        self.length = 0  # tokens held, on the host: transformers asks for it every step
+        # tokens held, on the host: transformers asks for it every step (not static: a compiled
+        # step cannot change a host int without a recompile; the cache's device lengths tell)
+        self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
@@ -397,6 +417,12 @@ class PisaCacheLayer(CacheLayerMixin):
                               branching=self.branching, dtype=key_states.dtype,
                               device=key_states.device, bounds=self.bounds)
         self.batch_size, self.device = B, key_states.device
+        if self.is_compileable and not torch.compiler.is_compiling():
+            # fixed addresses: a CUDA-graphed step reads and writes them in place
+            for x in (self.pisa.k_cache, self.pisa.v_cache, self.pisa.sums, self.pisa.mins,
+                      self.pisa.maxs, self.pisa.cache_seqlens):
+                if x is not None:
+                    torch._dynamo.mark_static_address(x)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -408,27 +434,36 @@ class PisaCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
-        if self.length + new > self.max_cache_len:
-            raise ValueError(f"PisaHFCache holds at most max_cache_len={self.max_cache_len} "
-                             f"tokens, {self.length + new} needed")
+        if not self.is_compileable:
+            if self.length + new > self.max_cache_len:
+                raise ValueError(f"PisaHFCache holds at most max_cache_len={self.max_cache_len} "
+                                 f"tokens, {self.length + new} needed")
+            self.length += new
         self.pisa.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
-        self.length += new
         attention_kwargs = kwargs.get("kwargs")
         if isinstance(attention_kwargs, dict):
             attention_kwargs["pisa_cache"] = self.pisa
-        keys = self.pisa.k_cache[:, :self.length].transpose(1, 2)
+        # static: every slot, a shape that never changes (the attention reads the cache)
+        held = slice(None) if self.is_compileable else slice(0, self.length)
+        keys = self.pisa.k_cache[:, held].transpose(1, 2)
         # transformers releases whose attention modules call update(k, v, layer_idx) without their
         # keyword arguments (5.17 among them) hand these very views to the attention function,
         # which finds the cache on them (``_CACHE_ATTR``); without it every step would re-select
         # over the views through pisa_attn, O(N), on top of the cache's own upkeep
         setattr(keys, _CACHE_ATTR, self.pisa)
-        return keys, self.pisa.v_cache[:, :self.length].transpose(1, 2)
+        return keys, self.pisa.v_cache[:, held].transpose(1, 2)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+    def get_mask_sizes(self, query_length: int) -> tuple[int | torch.Tensor, int]:
+        """Keys seen after ``query_length`` more: an int, or for a static cache a device tensor
+        (what tells ``pisa_mask`` that the slots are a static PISA cache's)."""
+        return self.get_seq_length() + query_length, 0
 
-    def get_seq_length(self) -> int:
-        return self.length
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens held: the host count, or for a static cache the first sequence's device length
+        (0-dim, as transformers' ``StaticLayer`` answers; 0 before the first update)."""
+        if not self.is_compileable:
+            return self.length
+        return self.pisa.cache_seqlens[0] if self.is_initialized else 0
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -459,6 +494,16 @@ class PisaHFCache(Cache):
             ``pisa_branching`` as the attention reads them).
         max_cache_len: int. Tokens per sequence the cache can hold (prompt + new tokens);
             preallocated at the first forward.
+        static: bool. The compileable form (default False), as transformers' ``StaticCache``:
+            ``generate`` then compiles its decode steps (``torch.compile(mode="reduce-overhead")``,
+            CUDA graphs; on CUDA by default, ``generation_config.compile_config`` to tune), and a
+            compiled step appends and attends through the custom ops ``torch.ops.pisa.write_kv``
+            and ``torch.ops.pisa.decode_step`` with no host sync and no recompile per token.
+            Its layers return every slot (``[B, HKV, max_cache_len, D]``, a fixed shape) and
+            count the tokens on the device; the capacity is then checked by the write's
+            device-side bounds assert (CUDA) or on the host (CPU, eager), and padding at the
+            eager prefill only. Not with ``config.pisa_layers`` (a dense layer would read every
+            slot).
 
     Pass it to ``generate(..., past_key_values=PisaHFCache(model.config, max_cache_len))`` (the
     keyword every transformers 5 release takes; 5.2x also names it ``cache``) or to a forward
@@ -466,13 +511,18 @@ class PisaHFCache(Cache):
     no beam search, cropping or offloading.
     """
 
-    def __init__(self, config, max_cache_len: int):
+    def __init__(self, config, max_cache_len: int, static: bool = False):
         if not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        if not isinstance(static, bool):
+            raise TypeError(f"static must be a bool, got {static!r}")
+        if static and pisa_layers_of(config) is not None:
+            raise ValueError("PisaHFCache(static=True) does not support config.pisa_layers (its "
+                             "dense layers would attend every slot): use static=False")
         knobs = pisa_knobs(config)
         bounds = knobs["scorer"] == "bound" and knobs["selector"] in ("pyramid", "auto")
         super().__init__(layers=[PisaCacheLayer(max_cache_len, knobs["block_size"],
-                                                knobs["branching"], bounds)
+                                                knobs["branching"], bounds, static)
                                  for _ in range(config.num_hidden_layers)])
 
 

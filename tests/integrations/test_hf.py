@@ -445,6 +445,90 @@ def test_graph_decoder_refuses_bad_arguments():
         decoder.generate(torch.randint(2, 128, (1, 6)), 0)
 
 
+def _greedy(model, prompt, new, cache, compile_config=None):
+    """Greedy ``generate`` over ``cache`` (``compile_config``: compile its decode steps, on any
+    device): the sequences and the stacked logits."""
+    from transformers import CompileConfig
+    model.generation_config.compile_config = compile_config
+    if compile_config is not None:
+        assert isinstance(compile_config, CompileConfig)
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+          "attention_mask": torch.ones_like(prompt), "return_dict_in_generate": True,
+          "output_logits": True, pisa_hf.cache_keyword(model): cache}
+    try:
+        with torch.no_grad():
+            out = model.generate(prompt, **kw)
+    finally:
+        model.generation_config.compile_config = None
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def test_static_cache_generate_compiles_one_graph_equal_to_the_eager_cache(rng):
+    """``PisaHFCache(static=True)``: ``generate`` compiles its decode steps (``fullgraph=True``:
+    no graph break; the ``aot_eager`` backend, which runs the fake kernels of the custom ops at
+    tracing and the real ones after) into one graph for every token past K blocks, and gives the
+    eager ``PisaHFCache``'s tokens and logits; eager, the static cache does too."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+    _, sparse = _pair()
+    prompt, new = torch.randint(0, 128, (2, FITS + 5)), FITS + 6
+    ref = _greedy(sparse, prompt, new, pisa_hf.PisaHFCache(sparse.config, 4 * FITS))
+    eager = _greedy(sparse, prompt, new, pisa_hf.PisaHFCache(sparse.config, 4 * FITS,
+                                                             static=True))
+    compiled = CompileConfig(backend="aot_eager", fullgraph=True)
+    compiled._compile_all_devices = True  # transformers compiles on accelerators only
+    torch._dynamo.reset()
+    counters.clear()
+    static = pisa_hf.PisaHFCache(sparse.config, 4 * FITS, static=True)
+    assert static.is_compileable and not pisa_hf.PisaHFCache(sparse.config, 8).is_compileable
+    got = _greedy(sparse, prompt, new, static, compiled)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert int(static.layers[0].get_seq_length()) == prompt.shape[1] + new - 1 > 2 * FITS
+    for out in (eager, got):
+        assert torch.equal(out[0], ref[0])
+        torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-5)
+
+
+def test_static_cache_refuses_hybrid_layers_padding_and_bad_arguments(rng):
+    _, sparse = _pair()
+    with pytest.raises(TypeError, match="static must be a bool"):
+        pisa_hf.PisaHFCache(sparse.config, 64, static=1)
+    sparse.config.pisa_layers = [0]
+    with pytest.raises(ValueError, match="pisa_layers"):
+        pisa_hf.PisaHFCache(sparse.config, 64, static=True)
+    sparse.config.pisa_layers = None
+    ids = torch.randint(0, 128, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = pisa_hf.PisaHFCache(sparse.config, 64, static=True)
+    kw = {pisa_hf.cache_keyword(sparse): cache, "use_cache": True}
+    with torch.no_grad():
+        sparse(ids, **kw)  # the first chunk: the cache is empty, an int length
+        with pytest.raises(ValueError, match="padded"):
+            sparse(ids, attention_mask=torch.cat([mask, mask], 1), **kw)
+
+
+def test_decode_ops_pass_opcheck(rng):
+    """``torch.ops.pisa.write_kv`` (mutating the cache) and ``torch.ops.pisa.decode_step``: schema,
+    fake (meta) implementations and autograd registration, as torch.compile uses them."""
+    from pisa import PisaCache
+    from pisa.ops.decode import _decode_op
+    from pisa.ops.decode.kvcache import _write_kv_op
+    from pisa.ops.utils.config import SelectConfig
+    cache = PisaCache(2, 96, 2, 16, block_size=C, dtype=torch.float32, bounds=True)
+    k = torch.randn(2, 40, 2, 16)
+    cache.append(k, k)
+    new = torch.randn(2, 1, 2, 16)
+    torch.library.opcheck(_write_kv_op, (cache.k_cache, cache.v_cache, cache.sums, new, new,
+                                         cache.cache_seqlens, C, 2, cache.mins, cache.maxs,
+                                         None, None))
+    cfg = SelectConfig(block_size=C, topk=K, query_tile=1, tile_reduce="sum", scorer="bound",
+                       scale=0.25)
+    torch.library.opcheck(_decode_op, (torch.randn(2, 1, 4, 16), cache.k_cache, cache.v_cache,
+                                       cache.sums, cache.cache_seqlens + 1, cache.mins,
+                                       cache.maxs, None, None, "torch"), cfg.op_kwargs())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_graph_decoder_replays_the_eager_steps():
@@ -458,3 +542,17 @@ def test_gpu_graph_decoder_replays_the_eager_steps():
     assert torch.equal(graphed.generate(prompt, 40), eager)
     assert graphed.graph is not None
     assert torch.equal(graphed.generate(prompt, 40), eager)  # replays on a second call
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_static_cache_generate_is_compiled_and_graphed():
+    """On CUDA ``generate`` compiles a static cache's decode steps by default (inductor,
+    ``reduce-overhead``: CUDA graphs); the tokens are the eager ``PisaHFCache``'s (bf16)."""
+    seed = int(torch.randint(0, 2**31, ()))
+    model = tiny_llama(seed=seed, attn_implementation="pisa", block_size=16, topk=4)
+    model = model.to("cuda", torch.bfloat16)
+    prompt = torch.randint(2, 128, (2, 200), device="cuda")
+    ref = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512))
+    got = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512, static=True))
+    assert torch.equal(got[0], ref[0])

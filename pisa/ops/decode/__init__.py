@@ -35,7 +35,20 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     A decode step is always per token: ``cfg.query_tile`` and ``cfg.tile_reduce`` are ignored by
     design (``docs/spec.md`` §11), so with ``query_tile > 1`` the step equals prefill's row of
-    a per-token selection (``query_tile=1``), not of the tile-shared one."""
+    a per-token selection (``query_tile=1``), not of the tile-shared one.
+
+    Under ``torch.compile`` the step is the custom op ``torch.ops.pisa.decode_step`` (the config
+    by field name): a compiled, CUDA-graphed decode step launches the kernel as it is."""
+    tensors = (q, k_cache, v_cache, sums, cache_seqlens, mins, maxs, block_table,
+               cache_batch_idx)
+    if torch.compiler.is_compiling():  # opaque to the compiler, as write_kv
+        return _decode_op(*tensors, backend, **cfg.op_kwargs())
+    return _decode(*tensors, backend, cfg)
+
+
+def _decode(q, k_cache, v_cache, sums, cache_seqlens, mins, maxs, block_table, cache_batch_idx,
+            backend: str, cfg: SelectConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_step``'s work (its tensors by position)."""
     if cfg.query_tile != 1 or cfg.tile_reduce != "sum":  # one token: any reduction
         cfg = _per_token(cfg)
     where = dict(mins=mins, maxs=maxs, block_table=block_table, cache_batch_idx=cache_batch_idx)
@@ -44,6 +57,23 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return decode_triton(q, k_cache, v_cache, sums, cache_seqlens, cfg, **where)
     from .torch_backend import decode_torch
     return decode_torch(q, k_cache, v_cache, sums, cache_seqlens, cfg, **where)
+
+
+# The config crosses the op's boundary by field name, as in ``torch.ops.pisa.select``.
+@torch.library.custom_op("pisa::decode_step", mutates_args=(), schema=(
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor sums, Tensor cache_seqlens, Tensor? mins, "
+    "Tensor? maxs, Tensor? block_table, Tensor? cache_batch_idx, str backend, *, "
+    f"{SelectConfig.op_schema()}) -> (Tensor, Tensor)"))
+def _decode_op(q, k_cache, v_cache, sums, cache_seqlens, mins, maxs, block_table,
+               cache_batch_idx, backend, **fields):
+    return _decode(q, k_cache, v_cache, sums, cache_seqlens, mins, maxs, block_table,
+                   cache_batch_idx, backend, SelectConfig(**fields))
+
+
+@_decode_op.register_fake
+def _(q, *args, **fields):
+    B, _, HQ, D = q.shape
+    return q.new_empty(B, 1, HQ, D), q.new_empty(B, HQ, 1, dtype=torch.float32)
 
 
 @functools.lru_cache(maxsize=256)

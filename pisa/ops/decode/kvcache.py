@@ -40,6 +40,7 @@ same way, with an elementwise min / max (``scatter_reduce_``) along the same anc
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -272,7 +273,37 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     checks would cost a host sync, so an overflowing write, a ``-1`` (or out-of-range) page or
     slot is left to the index kernels' device-side bounds asserts (as with FlashAttention's
     cache: an unallocated page is sent out of range, never to the pool's last page).
+
+    Under ``torch.compile`` it is the custom op ``torch.ops.pisa.write_kv`` (mutating the cache's
+    tensors): the compiler traces none of its Python and no value is read, not even on CPU.
     """
+    if torch.compiler.is_compiling():  # opaque to the compiler: its tracing reads no value
+        _write_kv_op(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching,
+                     mins, maxs, block_table, cache_batch_idx)
+    else:
+        _write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching,
+                  mins, maxs, block_table, cache_batch_idx)
+
+
+@torch.library.custom_op("pisa::write_kv",
+                         mutates_args=("k_cache", "v_cache", "sums", "mins", "maxs"))
+def _write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
+                 k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+                 block_size: int, branching: int, mins: Optional[torch.Tensor],
+                 maxs: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                 cache_batch_idx: Optional[torch.Tensor]) -> None:
+    _write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching, mins,
+              maxs, block_table, cache_batch_idx)
+
+
+@_write_kv_op.register_fake
+def _(*args) -> None:
+    return None
+
+
+def _write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching, mins,
+              maxs, block_table, cache_batch_idx) -> None:
+    """``write_kv``'s work (its arguments by position)."""
     B, L = k_new.shape[:2]
     S, N, H, D = sums.shape
     C, dev = block_size, k_cache.device
