@@ -11,12 +11,15 @@ token, so every run generates exactly ``--new-tokens`` tokens greedily. Arms (``
   (``pisa_attn`` re-selects over the whole cache every step).
 - ``pisa_cache``: ``generate`` over a ``PisaHFCache`` (``pisa_attn_with_kvcache``: the O(log N)
   decode step on the cache's pyramid).
+- ``pisa_static``: ``generate`` over a ``PisaHFCache(static=True)``, whose decode steps
+  ``generate`` compiles on CUDA (``torch.compile(mode="reduce-overhead")``: CUDA graphs); the
+  warm-up run compiles, a new length may recompile its first step (the median ignores it).
 - ``pisa_cache_loop``: the same cache and model without ``generate``: one prefill forward, then
   a greedy loop whose step is one forward of one token with static input, position and history
   buffers (no attention mask, no logits processors), eager.
 - ``pisa_cache_graph`` (CUDA): that step captured in one CUDA graph after ``--graph-warmup``
-  eager steps (real steps of the sequence: a capture runs nothing), then replayed. The floor a
-  static cache that ``generate`` can capture would reach.
+  eager steps (real steps of the sequence: a capture runs nothing), then replayed: the floor
+  of a captured step, beside ``pisa_static``'s.
 
 Timing (explicit): the device is synchronised and ``time.perf_counter`` read before the call and
 after every new token (in ``generate`` by a ``StoppingCriteria`` that synchronises and stamps, in
@@ -63,7 +66,8 @@ import pisa.integrations.hf as pisa_hf  # noqa: E402
 from pisa.eval.model import random_model  # noqa: E402
 
 # the graph arm last: a capture that fails (an op that syncs) ends only its own rows
-ARMS = ("pisa_cache", "pisa_cache_loop", "pisa_dynamic", "sdpa", "pisa_cache_graph")
+ARMS = ("pisa_cache", "pisa_static", "pisa_cache_loop", "pisa_dynamic", "sdpa",
+        "pisa_cache_graph")
 PROFILE_STEPS = 3
 
 
@@ -156,8 +160,9 @@ def run_generate(model, ids, arm: str, n_new: int, device: str, hook=None) -> di
     """One greedy ``generate`` of ``n_new`` tokens: stamps, tokens [B, n_new], logits of the
     first token."""
     kw = {}
-    if arm == "pisa_cache":
-        kw[cache_keyword(model)] = pisa_hf.PisaHFCache(model.config, ids.shape[1] + n_new)
+    if arm in ("pisa_cache", "pisa_static"):
+        kw[cache_keyword(model)] = pisa_hf.PisaHFCache(model.config, ids.shape[1] + n_new,
+                                                       static=arm == "pisa_static")
     from transformers import StoppingCriteriaList
     clock = Clock(device, hook)
     t0 = clock.sync()

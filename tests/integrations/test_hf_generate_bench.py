@@ -1,6 +1,6 @@
 """``benchmarks/serving/hf_generate.py`` at a tiny size on the CPU: every arm times prefill and
-decode, each PISA arm took the path its name says (``attn_calls``), the PisaHFCache arms give
-the tokens of ``generate`` over a DynamicCache, and ``--profile`` writes its tables."""
+decode, each PISA arm took the path its name says (``attn_calls``), the PisaHFCache arms (static
+too) give the tokens of ``generate`` over a DynamicCache, and ``--profile`` writes its tables."""
 import json
 import os
 import subprocess
@@ -30,7 +30,8 @@ def test_hf_generate_cpu_smoke(tmp_path):
     assert result["meta"]["command"].startswith("python ") and result["meta"]["transformers"]
     assert result["meta"]["update_gets_attention_kwargs"] in (True, False)
     rows = {(r["op"], r["impl"]): r for r in result["rows"]}
-    arms = ("pisa_cache", "pisa_cache_loop", "pisa_dynamic", "sdpa")  # no graph arm on CPU
+    # no graph arm on CPU; pisa_static is eager there (generate compiles on accelerators only)
+    arms = ("pisa_cache", "pisa_static", "pisa_cache_loop", "pisa_dynamic", "sdpa")
     assert {impl for op, impl in rows if op == "hf_decode"} == set(arms)
     decode_calls = LAYERS * (NEW - 1)
     for arm in arms:
@@ -46,7 +47,8 @@ def test_hf_generate_cpu_smoke(tmp_path):
         kind = "pisa_attn" if arm == "pisa_dynamic" else "with_kvcache"
         assert calls == {kind: {"prefill": LAYERS, "decode": decode_calls}}, arm
         assert decode["tokens_equal"] and decode["agree_prefix"] == NEW, arm
-    assert rows["hf_decode", "pisa_cache_loop"]["first_logits_maxdiff"] == 0.0
+    for arm in ("pisa_cache_loop", "pisa_static"):
+        assert rows["hf_decode", arm]["first_logits_maxdiff"] == 0.0
     text = (tmp_path / "hf_profile.txt").read_text()
     for title in ("generate over PisaHFCache", "eager loop over PisaHFCache"):
         assert f"== {title}, 3 decode steps, T=512: top 40 by self CPU time ==" in text
