@@ -9,7 +9,11 @@ group of at least 16 heads):
   ``--beam-leaf``, ``--scorer``, ``--tile-reduce``, ``--beam``, ``--beam-ref-len``: beams grown
   with the context, rows report the grown widths and ``beam_ref_len``);
 - ``pisa_qt1``: per-token PISA at today's knobs (``query_tile=1``, ``beam_leaf = beam = K``);
-- ``flat_mean`` / ``flat_lse``: the flat selectors on the same attention (per token).
+- ``flat_mean`` / ``flat_lse``: the flat selectors on the same attention (per token);
+- ``compressed`` / ``window``: the training recipes' gated branches alone (``PisaAttention``'s
+  ``compressed_attn``, attention over every complete block's mean key / value, and
+  ``window_attn``, exact attention over the last ``--window`` blocks): a recipe's layer costs its
+  selection arm plus its branches (plus the gate's small projection).
 
 Per arm: ``select``, ``fwd``, ``bwd`` (the backward alone, graph kept), ``fwdbwd``, and the sparse
 attention kernels alone on the arm's selection (``attn_fwd``, ``attn_bwd``) with their effective
@@ -40,7 +44,8 @@ from pisa.ops.select import tiles_to_tokens
 from pisa.ops.utils.config import (BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig, grown_beams,
                                    query_tile_of)
 
-ARMS = ("pisa", "pisa_qt1", "flat_mean", "flat_lse", "dense", "nsa")
+ARMS = ("pisa", "pisa_qt1", "flat_mean", "flat_lse", "compressed", "window", "dense", "nsa")
+BRANCH_ARMS = ("compressed", "window")
 
 
 def _arm_knobs(args, backend: str) -> dict:
@@ -64,6 +69,15 @@ def _nsa(q, k, v, block_size: int, topk: int):
                                 block_size=block_size, window_size=0)
 
 
+def _branch(arm: str, HQ: int, HKV: int, D: int, args, backend: str):
+    """``fn(q, k, v)`` of a recipe's branch: ``PisaAttention``'s own method (it reads no
+    parameter of the layer)."""
+    from pisa.layers import PisaAttention
+    layer = PisaAttention(HQ * D, HQ, HKV, D, window=args.window, compressed=True,
+                          block_size=args.block_size, topk=args.topk, backend=backend)
+    return layer.compressed_attn if arm == "compressed" else layer.window_attn
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="A", choices=sorted(CONFIGS))
@@ -83,6 +97,7 @@ def main() -> None:
                     help="pisa arm: beams grow past this many keys (beam_ref_len)")
     ap.add_argument("--scorer", default=None)
     ap.add_argument("--query-tile", type=int, default=None)
+    ap.add_argument("--window", type=int, default=2, help="blocks of the window arm")
     ap.add_argument("--tile-reduce", default=None)
     ap.add_argument("--device", default="cuda", help="cuda (Triton backend) or cpu (torch)")
     ap.add_argument("--json", type=Path)
@@ -93,8 +108,10 @@ def main() -> None:
     arms = _arm_knobs(args, backend)
     nsa_ok = "nsa" in args.arms and dev.startswith("cuda") and HQ // HKV >= 16 \
         and importlib.util.find_spec("fla") is not None
+    branches = {"compressed": {}, "window": {"window": args.window}}
     out = Results(args.json, dev, arms={a: {k: v for k, v in kw.items() if k != "backend"}
-                                        for a, kw in arms.items() if a in args.arms})
+                                        for a, kw in {**arms, **branches}.items()
+                                        if a in args.arms})
     longest = {"flat_mean": args.flat_mean_max, "flat_lse": args.flat_lse_max}
 
     def row(op, impl, T, ms, peak, knobs=None, **extra):
@@ -159,6 +176,10 @@ def main() -> None:
         q, k, v = randn_qkv(T, HQ, HKV, D, seed=T, device=dev, dtype=DTYPE, requires_grad=True)
         do = torch.randn_like(q)
         for arm in args.arms:
+            if arm in BRANCH_ARMS:
+                branch = _branch(arm, HQ, HKV, D, args, backend)
+                phases(T, arm, lambda: branch(q, k, v), q, k, v, do)
+                continue
             if arm not in arms or T > longest.get(arm, T):
                 continue
             knobs = arms[arm]
