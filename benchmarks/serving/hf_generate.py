@@ -14,9 +14,10 @@ token, so every run generates exactly ``--new-tokens`` tokens greedily. Arms (``
 - ``pisa_static``: ``generate`` over a ``PisaHFCache(static=True)``, whose decode steps
   ``generate`` compiles on CUDA (``torch.compile(mode="reduce-overhead")``: CUDA graphs); the
   warm-up run compiles, a new length may recompile its first step (the median ignores it).
-- ``pisa_cache_loop``: the same cache and model without ``generate``: one prefill forward, then
-  a greedy loop whose step is one forward of one token with static input, position and history
-  buffers (no attention mask, no logits processors), eager.
+- ``pisa_cache_loop``: the same cache and model without ``generate``:
+  ``pisa.integrations.hf.PisaGraphDecoder``'s greedy loop (one prefill forward, then steps of one
+  token with static input, position and history buffers; no attention mask, no logits
+  processors), eager.
 - ``pisa_cache_graph`` (CUDA): that step captured in one CUDA graph after ``--graph-warmup``
   eager steps (real steps of the sequence: a capture runs nothing), then replayed: the floor
   of a captured step, beside ``pisa_static``'s.
@@ -32,7 +33,7 @@ compiled; new lengths compile nothing). ``attn_calls`` counts the integration's 
 ``pisa_attn`` and ``pisa_attn_with_kvcache`` (prefill: more than one query; decode: one) in the
 timed run: which path a step took. ``tokens_equal`` / ``agree_prefix`` compare an arm's tokens
 with the first PISA arm's (``pisa_cache`` by default), ``first_logits_maxdiff`` the first
-token's logits (random weights give near-tied logits, so different kernels in bf16 may part
+token's logits (``generate``'s arms) (random weights give near-tied logits, so different kernels in bf16 may part
 after a few tokens; the ``PisaHFCache`` arms run the same kernels and must agree exactly).
 
 ``--profile``: ``torch.profiler`` (CPU and CUDA) over 3 decode steps of the ``pisa_cache`` arm
@@ -175,78 +176,24 @@ def run_generate(model, ids, arm: str, n_new: int, device: str, hook=None) -> di
             "first_logits": out.logits[0].float()}
 
 
-class Loop:
-    """Greedy decoding over a ``PisaHFCache`` without ``generate``: a prefill forward, then steps
-    of one token whose inputs and outputs live in static buffers (``step`` reads the token and
-    position, writes the next token into them and into ``history``), so the step can be
-    captured in a CUDA graph."""
-
-    def __init__(self, model, ids, capacity: int):
-        self.model, self.B, self.T = model, ids.shape[0], ids.shape[1]
-        self.cache = pisa_hf.PisaHFCache(model.config, ids.shape[1] + capacity)
-        self.kw = {cache_keyword(model): self.cache, "use_cache": True, "logits_to_keep": 1}
-        dev = ids.device
-        self.ids = torch.zeros(self.B, 1, dtype=torch.long, device=dev)
-        self.pos = torch.full((self.B, 1), self.T, dtype=torch.long, device=dev)
-        self.history = torch.zeros(self.B, capacity, dtype=torch.long, device=dev)
-        self.col = torch.zeros(1, dtype=torch.long, device=dev)
-
-    def prefill(self, ids) -> torch.Tensor:
-        logits = self.model(input_ids=ids, **self.kw).logits[:, -1]
-        self._emit(logits)
-        return logits.float()
-
-    def _emit(self, logits) -> None:
-        nxt = logits.argmax(-1, keepdim=True)
-        self.ids.copy_(nxt)
-        self.history.index_copy_(1, self.col, nxt)
-        self.col.add_(1)
-
-    def step(self) -> None:
-        logits = self.model(input_ids=self.ids, position_ids=self.pos, **self.kw).logits[:, -1]
-        self._emit(logits)
-        self.pos.add_(1)
-
-
 def run_loop(model, ids, n_new: int, device: str, graph: bool, warmup: int,
              profile_hook=None) -> dict:
-    """``n_new`` tokens by the ``Loop`` (eager, or with the step in a CUDA graph after ``warmup``
-    eager steps): stamps after the prefill's token and after every step, tokens, first logits."""
-    loop = Loop(model, ids, n_new + 2)
+    """``n_new`` tokens by ``PisaGraphDecoder`` (eager, or with the step in a CUDA graph after
+    ``warmup >= 1`` eager steps): stamps after the prefill's token and after every step, tokens;
+    ``profile_hook(i)`` after token ``i``."""
+    decoder = pisa_hf.PisaGraphDecoder(model, ids.shape[1] + n_new + 2, cuda_graph=graph,
+                                       warmup=warmup)
     clock = Clock(device)
-    t0 = clock.sync()
-    first = loop.prefill(ids)
-    clock.stamps.append(clock.sync())
-    steps = n_new - 1
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up steps are real steps of the sequence
-            for _ in range(warmup):
-                loop.step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        steps -= warmup
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):  # records one step, runs nothing
-            loop.step()
-        clock.stamps.append(clock.sync())  # the intervals below are replays only
-        for _ in range(steps):
-            g.replay()
-            clock.stamps.append(clock.sync())
-    else:
-        for i in range(steps):
-            if profile_hook is not None:
-                profile_hook(i)
-            loop.step()
-            clock.stamps.append(clock.sync())
+
+    def on_token(i):
+        clock.stamps.append(clock.sync())
         if profile_hook is not None:
-            profile_hook(steps)
-    n = loop.col.item()
-    out = {"t0": t0, "stamps": clock.stamps, "tokens": loop.history[:, :n].clone(),
-           "first_logits": first}
-    if graph:  # the capture's stamp splits the warm-up steps from the replays
-        out["replay_stamps"] = clock.stamps[-(steps + 1):]
+            profile_hook(i)
+    t0 = clock.sync()
+    tokens = decoder.generate(ids, n_new, on_token)
+    out = {"t0": t0, "stamps": clock.stamps, "tokens": tokens}
+    if decoder.graph is not None:  # token warmup + 1 was the capture's: replays from there on
+        out["replay_stamps"] = clock.stamps[warmup + 1:]
         out["stamps"] = clock.stamps[:1]
     return out
 
@@ -274,9 +221,11 @@ def agreement(run: dict, ref: dict | None) -> dict:
     n = min(a.shape[1], b.shape[1])
     same = (a[:, :n] == b[:, :n]).all(0).tolist()
     prefix = same.index(False) if False in same else n
-    return {"tokens_equal": prefix == n, "agree_prefix": prefix,
-            "first_logits_maxdiff": float((run["first_logits"] - ref["first_logits"])
-                                          .abs().max())}
+    out = {"tokens_equal": prefix == n, "agree_prefix": prefix}
+    if "first_logits" in run and "first_logits" in ref:  # generate's arms
+        out["first_logits_maxdiff"] = float((run["first_logits"] - ref["first_logits"])
+                                            .abs().max())
+    return out
 
 
 def shape_cols(model, arm: str, dtype: str) -> dict:
@@ -350,12 +299,12 @@ def run_profile(model, ids, device: str, out_stem: Path | None) -> list[tuple]:
                     prof.stop()
             run_generate(model, ids, "pisa_cache", PROFILE_STEPS + 1, device, hook)
         else:
-            def hook(i, prof=prof):
+            def hook(i, prof=prof):  # after token i: the prefill's, then each step's
                 if i == 0:
                     prof.start()
                 elif i == PROFILE_STEPS:
                     prof.stop()
-            run_loop(model, ids, PROFILE_STEPS + 1, device, False, 0, hook)
+            run_loop(model, ids, PROFILE_STEPS + 1, device, False, 1, hook)
         texts.append(profile_tables(prof, f"{title}, {PROFILE_STEPS} decode steps, "
                                           f"T={ids.shape[1]}"))
         results.append((name, profile_counts(prof, PROFILE_STEPS)))

@@ -547,10 +547,13 @@ class PisaGraphDecoder:
             calls with the same batch size replay it. False: every step eager.
         warmup: int. Eager steps before the capture (default 2).
 
-    ``generate(input_ids [B, T] int64, max_new_tokens)`` returns the new tokens ``[B,
-    max_new_tokens]``: the argmax of each step's logits, as ``model.generate(..., do_sample=False,
-    past_key_values=PisaHFCache(...))`` gives (no end-of-sequence stop, no logits processors, no
-    padding). The cache lives with the decoder: its buffers, and the graph's, are allocated once.
+    ``generate(input_ids [B, T] int64, max_new_tokens, on_token=None)`` returns the new tokens
+    ``[B, max_new_tokens]``: the argmax of each step's logits, as ``model.generate(...,
+    do_sample=False, past_key_values=PisaHFCache(...))`` gives (no end-of-sequence stop, no
+    logits processors, no padding). ``on_token(i)``, if given, runs on the host once token ``i``
+    (0: the prefill's) is queued, never inside the capture: no sync is made for it (a callback
+    that streams or times the tokens synchronises itself). The cache lives with the decoder: its
+    buffers, and the graph's, are allocated once.
     """
 
     def __init__(self, model, max_cache_len: int, cuda_graph: bool | None = None,
@@ -592,7 +595,8 @@ class PisaGraphDecoder:
         self.pos.add_(1)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int,
+                 on_token=None) -> torch.Tensor:
         B, T = input_ids.shape
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -603,26 +607,31 @@ class PisaGraphDecoder:
         self.cache.reset()
         self.col.zero_()
         self.pos.fill_(T)
+        notify = on_token if on_token is not None else (lambda i: None)
         self._emit(self.model(input_ids=input_ids.to(self.device), **self.kw).logits)
-        steps = max_new_tokens - 1
-        if self.cuda_graph and self.graph is None and steps > self.warmup:
-            steps -= self._capture()
-        for _ in range(steps):
+        notify(0)
+        n = 1  # tokens made
+        if self.cuda_graph and self.graph is None and max_new_tokens - 1 > self.warmup:
+            n = self._capture(notify)
+        for i in range(n, max_new_tokens):
             self.graph.replay() if self.graph is not None else self._step()
+            notify(i)
         return self.history[:, :max_new_tokens].clone()
 
-    def _capture(self) -> int:
-        """``warmup`` eager steps on a side stream, then one step recorded (not run); returns
-        the steps taken."""
+    def _capture(self, notify) -> int:
+        """``warmup`` eager steps on a side stream, then one step recorded (not run) and
+        replayed; returns the tokens made (the prefill's, the steps')."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(self.warmup):
+            for i in range(1, self.warmup + 1):
                 self._step()
+                notify(i)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._step()
         self.graph = graph
         graph.replay()  # the recorded step: capture runs nothing
-        return self.warmup + 1
+        notify(self.warmup + 1)
+        return self.warmup + 2

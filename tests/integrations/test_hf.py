@@ -416,7 +416,8 @@ def test_pisa_layers_is_a_model_knob_not_a_pisa_attn_one():
 
 def test_graph_decoder_steps_equal_greedy_generate_over_the_cache(rng):
     """``PisaGraphDecoder`` eager (the CPU form of its step): the tokens of greedy ``generate``
-    over a ``PisaHFCache``, past K blocks, and again on a second call reusing its buffers."""
+    over a ``PisaHFCache``, past K blocks, and again on a second call reusing its buffers;
+    ``on_token`` told of each token in order."""
     _, sparse = _pair()
     # no end of sequence (the decoder has no stop and no logits processor, such as the one
     # min_new_tokens adds)
@@ -429,7 +430,9 @@ def test_graph_decoder_steps_equal_greedy_generate_over_the_cache(rng):
         with torch.no_grad():
             ref = sparse.generate(prompt, cache=pisa_hf.PisaHFCache(sparse.config, 4 * FITS),
                                   **kw)
-        assert torch.equal(decoder.generate(prompt, new), ref[:, prompt.shape[1]:])
+        seen = []
+        assert torch.equal(decoder.generate(prompt, new, seen.append), ref[:, prompt.shape[1]:])
+        assert seen == list(range(new)), "on_token: once a token, the prefill's first"
 
 
 def test_graph_decoder_refuses_bad_arguments():
@@ -539,8 +542,9 @@ def test_gpu_graph_decoder_replays_the_eager_steps():
     prompt = torch.randint(2, 128, (2, 200), device="cuda")
     eager = pisa_hf.PisaGraphDecoder(model, 512, cuda_graph=False).generate(prompt, 40)
     graphed = pisa_hf.PisaGraphDecoder(model, 512, cuda_graph=True)
-    assert torch.equal(graphed.generate(prompt, 40), eager)
-    assert graphed.graph is not None
+    seen = []
+    assert torch.equal(graphed.generate(prompt, 40, seen.append), eager)
+    assert graphed.graph is not None and seen == list(range(40))
     assert torch.equal(graphed.generate(prompt, 40), eager)  # replays on a second call
 
 
