@@ -306,3 +306,30 @@ def test_append_is_captured_by_a_cuda_graph(rng):
     torch.testing.assert_close(sums.cpu().double(),
                                _rebuilt_sums(k_ref.double(), lens.cpu(), T, C, g),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_long_ragged_appends_equal_the_rebuilt_pyramid(device, rng):
+    """A prefill's long runs (``_add_runs``: each level folded densely, distinct rows into the
+    cache; on CUDA with its float atomics), starting mid-node at different lengths per sequence:
+    the sums and key bounds of the rebuilt pyramid."""
+    B, T, H, D, C, g = 3, 20000, 2, 64, 64, 2
+    k_cache, v_cache, sums, lens = _empty_cache(B, T, H, D, C, g, torch.bfloat16, device)
+    mins, maxs = empty_bounds(sums)
+    k_ref = torch.randn(B, T, H, D, dtype=torch.bfloat16, device=device)
+
+    def run(rows, L):
+        s = lens[rows].long()[:, None] + torch.arange(L, device=device)
+        b = torch.arange(B, device=device)[rows][:, None]
+        append_kv(k_cache[rows], v_cache[rows], sums[rows], k_ref[b, s], k_ref[b, s],
+                  lens[rows], C, g, mins[rows], maxs[rows])
+        lens[rows] += L
+    run(slice(1, 2), 37)  # ragged starts: 0, 37, 100 keys
+    run(slice(2, 3), 100)
+    for L in (9000, 1, 6100):
+        run(slice(None), L)
+    _assert_bounds_match_keys(mins.cpu(), maxs.cpu(), k_ref.cpu(), lens.cpu(), C, g)
+    torch.testing.assert_close(sums.cpu().double(),
+                               _rebuilt_sums(k_ref.double(), lens.cpu(), T, C, g),
+                               rtol=1e-5, atol=1e-3)
