@@ -346,8 +346,12 @@ def _write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, b
     if n_levels * B * L * H * D <= _ONE_PASS_ELEMS:
         tables = _level_tables(offsets, C, branching, dev)
     if tables is None:
-        _add_runs(flat, bounds, k_new.to(sums.dtype), pos[:, 0], base[:, 0], offsets, C,
-                  branching)
+        # in pieces: each folds into ~3 padded copies of itself (a 1M-token prompt at once would
+        # take gigabytes); the pieces' partials add up in the cache like one run's
+        step = max(1, _RUN_ELEMS // (B * H * D))
+        for i in range(0, L, step):
+            _add_runs(flat, bounds, k_new[:, i:i + step].to(sums.dtype), pos[:, 0] + i,
+                      base[:, 0], offsets, C, branching)
         return
     # every level at once: a decode step is host-bound, and a loop over the levels costs ~6
     # launches a level (index_add_, two scatter_reduce_, the rows' arithmetic). The rows of
@@ -414,6 +418,8 @@ def _pad_fold(x: torch.Tensor, shift: torch.Tensor, group: int, fold: str,
     return getattr(padded, fold)(2)
 
 
+# ``_add_runs`` folds at most this many new key elements at once (128 MB of fp32 a buffer).
+_RUN_ELEMS = 1 << 25
 # ``write_kv`` updates every level in one pass while the new keys, repeated once a level, hold at
 # most this many elements (16 MB of fp32: a decode step's few keys, not a prefill's).
 _ONE_PASS_ELEMS = 1 << 22

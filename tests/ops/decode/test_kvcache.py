@@ -27,13 +27,16 @@ def _rebuilt_sums(k_ref, seqlens, T, C, g):
     return pyr.means * pyr.counts[None, :, None, None]
 
 
-@pytest.fixture(params=["one_pass", "runs"])
+@pytest.fixture(params=["one_pass", "runs", "run_pieces"])
 def write_path(request, monkeypatch):
-    """``write_kv``'s two ways to update the levels, each test run through both: one pass over
-    all levels (small appends, as tests' sizes are) and the per-level dense folds of a long run."""
+    """``write_kv``'s ways to update the levels, each test run through all: one pass over all
+    levels (small appends, as tests' sizes are), the per-level dense folds of a long run, and
+    those folds in pieces of a few keys (as a long prompt's are)."""
     import pisa.ops.decode.kvcache as kvcache
-    if request.param == "runs":
+    if request.param != "one_pass":
         monkeypatch.setattr(kvcache, "_ONE_PASS_ELEMS", 0)
+    if request.param == "run_pieces":
+        monkeypatch.setattr(kvcache, "_RUN_ELEMS", 7 * 2 * 8)  # 7 keys of [H=2, D=8] a piece
     return request.param
 
 
