@@ -1,5 +1,6 @@
-"""Dense warm-up for training with PISA: switch every ``PisaAttention`` of a model between dense
-and sparse attention, and a schedule saying which one a training step runs.
+"""Dense warm-up for training with PISA: switch every ``PisaAttention`` of a model (or a Hugging
+Face model's attention implementation) between dense and sparse attention, and a schedule
+saying which one a training step runs.
 
 Peers warm sparse attention up densely (DeepSeek's DSA trains dense first); a dense phase lets
 the projections (and a layer's gated branches, which run in both modes) learn before the
@@ -15,35 +16,53 @@ from ..ops.utils.config import check_nonnegative_int
 from .attention import ATTN_MODES, PisaAttention
 
 
+# A Hugging Face model's attention implementation for each mode (``set_attn_mode``).
+HF_IMPLEMENTATIONS = {"dense": "sdpa", "pisa": "pisa"}
+
+
 def set_attn_mode(model: nn.Module, mode: str) -> int:
-    """Set ``attn`` of every ``PisaAttention`` in ``model`` (itself included) to ``mode``.
+    """Set ``attn`` of every ``PisaAttention`` in ``model`` (itself included) to ``mode``, or
+    switch a Hugging Face model between ``attn_implementation`` "sdpa" and "pisa".
 
     Arguments:
-        model: an ``nn.Module`` holding at least one ``PisaAttention``.
+        model: an ``nn.Module`` holding at least one ``PisaAttention``, or a transformers model
+            whose ``config._attn_implementation`` is "pisa" or "sdpa" (``pisa.integrations.hf``
+            registered): ``set_attn_implementation`` is called when the mode changes.
         mode: ``"dense"`` (exact causal SDPA with the same weights) or ``"pisa"``.
 
     Returns:
-        int, the number of layers set.
+        int, the number of layers set (a transformers model: ``config.num_hidden_layers``).
 
-    Raises ``ValueError`` for another ``mode``, a model without ``PisaAttention`` (the switch
-    would silently do nothing: a Hugging Face model with ``attn_implementation="pisa"`` switches
-    with ``model.set_attn_implementation("sdpa")`` instead) or ``mode="dense"`` on a
-    context-parallel layer (``cp_group``: always sparse); ``TypeError`` if ``model`` is not a
-    module. Layers are only changed once every one has been checked.
+    Raises ``ValueError`` for another ``mode``, a model with neither (the switch would silently
+    do nothing) or ``mode="dense"`` on a context-parallel layer (``cp_group``: always sparse);
+    ``TypeError`` if ``model`` is not a module. Layers are only changed once every one has been
+    checked.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mode not in ATTN_MODES:
         raise ValueError(f"mode must be one of {ATTN_MODES}, got {mode!r}")
     layers = [m for m in model.modules() if isinstance(m, PisaAttention)]
+    if not layers and _hf_switchable(model):
+        if model.config._attn_implementation != HF_IMPLEMENTATIONS[mode]:
+            model.set_attn_implementation(HF_IMPLEMENTATIONS[mode])
+        return model.config.num_hidden_layers
     if not layers:
-        raise ValueError(f"model ({type(model).__name__}) holds no PisaAttention layer")
+        raise ValueError(f"model ({type(model).__name__}) holds no PisaAttention layer and is "
+                         "not a transformers model running attn_implementation 'pisa' or 'sdpa'")
     if mode == "dense" and any(m.cp_group is not None for m in layers):
         raise ValueError("mode='dense' is not available to context-parallel PisaAttention "
                          "layers (cp_group): they always run pisa_attn_cp")
     for m in layers:
         m.attn = mode
     return len(layers)
+
+
+def _hf_switchable(model: nn.Module) -> bool:
+    """A transformers model that runs "pisa" or "sdpa" and can switch."""
+    config = getattr(model, "config", None)
+    return callable(getattr(model, "set_attn_implementation", None)) \
+        and getattr(config, "_attn_implementation", None) in HF_IMPLEMENTATIONS.values()
 
 
 @dataclass(frozen=True)
@@ -73,8 +92,8 @@ class DenseWarmup:
         return "dense" if step < self.dense_steps else "pisa"
 
     def apply(self, model: nn.Module, step: int) -> str:
-        """Set every ``PisaAttention`` of ``model`` to ``mode(step)`` (``set_attn_mode``);
-        returns that mode."""
+        """Set every ``PisaAttention`` of ``model`` (or a transformers model's attention
+        implementation) to ``mode(step)`` (``set_attn_mode``); returns that mode."""
         mode = self.mode(step)
         set_attn_mode(model, mode)
         return mode

@@ -32,7 +32,7 @@ def test_set_attn_mode_on_a_layer_itself():
 
 @pytest.mark.parametrize("model,mode,exc,msg", [
     (PisaAttention(32, 4, 2), "flash", ValueError, "mode must be one of"),
-    (nn.Linear(2, 2), "dense", ValueError, "holds no PisaAttention"),
+    (nn.Linear(2, 2), "dense", ValueError, "holds no PisaAttention layer and is not a "),
     ("model", "dense", TypeError, "model must be a torch.nn.Module"),
 ])
 def test_set_attn_mode_rejects_bad_arguments(model, mode, exc, msg):
@@ -58,3 +58,23 @@ def test_dense_warmup_checks_its_steps(kwargs, exc, msg):
         DenseWarmup(**kwargs)
     with pytest.raises(ValueError, match="step must be >= 0"):
         DenseWarmup(2).mode(-1)
+
+
+def test_dense_warmup_switches_a_transformers_model(rng):
+    """A transformers model with ``attn_implementation="pisa"``: dense steps run sdpa (the dense
+    model's logits), then PISA again, past K blocks."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from pisa.eval.model import tiny_llama
+    seed = int(torch.randint(0, 2**31, ()))
+    dense = tiny_llama(seed=seed)
+    model = tiny_llama(seed=seed, attn_implementation="pisa", block_size=8, topk=3)
+    ids = torch.randint(0, 128, (1, 96))  # 12 blocks, 3 attended
+    schedule = DenseWarmup(dense_steps=1)
+    with torch.no_grad():
+        sparse_logits = model(ids).logits
+        assert schedule.apply(model, 0) == "dense"
+        assert model.config._attn_implementation == "sdpa"
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits)
+        assert schedule.apply(model, 1) == "pisa" and set_attn_mode(model, "pisa") == 2
+        assert torch.equal(model(ids).logits, sparse_logits)
+    assert not torch.allclose(sparse_logits, dense(ids).logits, atol=1e-3)
