@@ -23,6 +23,10 @@ Rows (``pisa.results`` schema; ``splits``, ``num_warps``, ``num_stages``, ``warm
   time from the defaults, each split count of ``--splits``, each ``--warps``, each ``--stages``.
 - ``decode/pisa_append_kv``: ``kvcache.write_kv`` of one token per sequence, the cache write of a
   step (not in the decode rows: the dense rows leave their cache write out too).
+- ``decode/pisa_<selection>`` (``--selections``; issue 27's study of decode's default selection):
+  the step with another scorer and leaf beam, ``{lse,bound}_W2_{16,32}`` (``scorer``;
+  ``beam_leaf`` None, i.e. W = 16, or 32), on a cache that keeps the key bounds for "bound"
+  (``decode/pisa_append_kv_bounds``: its cache write, bounds included).
 - ``decode/sdpa_<backend>_<gqa>``: SDPA over every key of the same cache (read in place as a
   ``[B, HKV, T, D]`` view) with the FLASH, EFFICIENT and CUDNN backends; GQA either folded into the
   query length (``fold``: ``dense_decode``, the G query heads of a KV head as G query tokens, no
@@ -54,6 +58,9 @@ from pisa.ops.utils.config import DECODE_DEFAULTS, SelectConfig
 # Targets of issue 4 (H200): batch 1 at 1M <= 0.12 ms and <= 1.5x its 32K time; batch 16 at 1M
 # >= 20x faster than the fastest dense decode.
 TARGET_B1_MS, TARGET_B1_RATIO, TARGET_B16_SPEEDUP = 0.12, 1.5, 20.0
+# ``--selections``: decode's scorer and leaf beam (the default is lse_W2_16).
+SELECTIONS = {f"{scorer}_W2_{leaf or W}": dict(scorer=scorer, beam_leaf=leaf)
+              for scorer in ("lse", "bound") for leaf in (None, 32)}
 
 
 def sdpa_variants(q, k_cache, v_cache):
@@ -73,15 +80,20 @@ def sdpa_variants(q, k_cache, v_cache):
     return out
 
 
-def filled_cache(B: int, T: int, seed: int, device: str = "cuda"):
-    """A ``PisaCache`` holding ``T`` random keys/values per sequence (its sums from the pyramid
-    build) and one random query per sequence."""
+def filled_cache(B: int, T: int, seed: int, device: str = "cuda", bounds: bool = False):
+    """A ``PisaCache`` holding ``T`` random keys/values per sequence (its sums, and with
+    ``bounds`` its key bounds, from the pyramid build) and one random query per sequence."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    cache = PisaCache(B, T, HKV, D, block_size=C, branching=G_BR, dtype=DTYPE, device=device)
+    cache = PisaCache(B, T, HKV, D, block_size=C, branching=G_BR, dtype=DTYPE, device=device,
+                      bounds=bounds)
     cache.k_cache.normal_(generator=gen)
     cache.v_cache.normal_(generator=gen)
-    pyramid = build_pyramid(cache.k_cache, C, G_BR, "triton" if device == "cuda" else "torch")
+    pyramid = build_pyramid(cache.k_cache, C, G_BR, "triton" if device == "cuda" else "torch",
+                            bounds=bounds)
     cache.sums.copy_(pyramid.means.mul_(pyramid.counts[None, :, None, None]))
+    if bounds:
+        cache.mins.copy_(pyramid.mins)
+        cache.maxs.copy_(pyramid.maxs)
     cache.cache_seqlens.fill_(T)
     q = torch.randn(B, 1, HQ, D, device=device, dtype=DTYPE, generator=gen)
     return q, cache
@@ -128,6 +140,34 @@ def bench_shape(B: int, T: int, cfg: SelectConfig, args, row) -> None:
     def append():
         write_kv(kc, vc, sums, k1, v1, at, C, G_BR)
     row("decode", "pisa_append_kv", "torch", B, T, graph_ms(append), warm_ms=graph_warm_ms(append))
+    del q, cache, kc, vc, sums
+    bench_selections(B, T, args, row)
+
+
+def bench_selections(B: int, T: int, args, row) -> None:
+    """``decode/pisa_<selection>`` for each of ``--selections`` (a cache with key bounds for the
+    bound scorer, whose cache write is timed too)."""
+    for bounds in (False, True):
+        names = [n for n in args.selections if (SELECTIONS[n]["scorer"] == "bound") == bounds]
+        if not names:
+            continue
+        q, cache = filled_cache(B, T, seed=T + B, bounds=bounds)
+        for name in names:
+            def step(knobs=SELECTIONS[name]):
+                return pisa_attn_with_kvcache(q, cache, topk=K, beam=W, backend="triton",
+                                              **knobs)
+            row("decode", f"pisa_{name}", "triton", B, T, graph_ms(step),
+                warm_ms=graph_warm_ms(step), **SELECTIONS[name])
+        if bounds:
+            k1, v1 = (torch.randn(B, 1, HKV, D, device="cuda", dtype=DTYPE) for _ in range(2))
+            at = cache.cache_seqlens - 1
+
+            def append():
+                write_kv(cache.k_cache, cache.v_cache, cache.sums, k1, v1, at, C, G_BR,
+                         cache.mins, cache.maxs)
+            row("decode", "pisa_append_kv_bounds", "torch", B, T, graph_ms(append),
+                warm_ms=graph_warm_ms(append))
+        del q, cache
 
 
 def main() -> None:
@@ -146,6 +186,8 @@ def main() -> None:
                     help="ignored (kept so older command lines run): graph replays are timed by "
                          "common.time_ms, ~100 ms of replays each")
     ap.add_argument("--prefill-len", type=int, default=131072, help="0 skips the prefill rows")
+    ap.add_argument("--selections", nargs="*", default=[], choices=SELECTIONS,
+                    help="decode rows with these scorers and leaf beams too")
     ap.add_argument("--quick", action="store_true",
                     help="batch 1 and 16 at 32K and 1M only (and the sweep), no prefill")
     ap.add_argument("--out", type=Path, default=None,
@@ -214,6 +256,12 @@ def table(rows: list[dict]) -> str:
         lines += [f"| {r['T']} | {r['splits']} | {r['num_warps'] or 'default'} | "
                   f"{r.get('num_stages') or 'default'} | {r['ms']:.4f} | {r['warm_ms']:.4f} |"
                   for r in sweep]
+    picks = [r for r in rows if r["impl"].startswith("pisa_") and r.get("scorer")
+             or r["impl"] == "pisa_append_kv_bounds"]
+    if picks:
+        lines += ["", "| B | T | decode selection | ms | warm ms |", "|---|---|---|---|---|"]
+        lines += [f"| {r['B']} | {r['T']} | {r['impl'][5:]} | {r['ms']:.4f} | "
+                  f"{r['warm_ms']:.4f} |" for r in picks]
     fwd = [r for r in rows if r["op"] == "fwd"]
     if fwd:
         lines += ["", "| prefill T | impl | ms | peak GB |", "|---|---|---|---|"]

@@ -21,6 +21,11 @@ GQA group's summed block LSE, forced blocks in; C = 64, K = 16). Arms:
 ``--study library`` runs only the library's selections: ``defaults`` and ``mass_K{16,17,18,20}``
 (``pisa_select(tile_reduce="mass", topk=K', beam=16)``, the knob built from ``msum``).
 
+``--study decode`` (issue 27, decode's default selection): the per-token walk a decode step runs
+(``query_tile=1``; a decode row equals that prefill row, tested) with each scorer and leaf beam:
+``decode_{lse,bound}_W2_{16,32}`` (``scorer``; ``beam_leaf`` None = W = 16, or 32). Today's decode
+default is ``decode_lse_W2_16``; prefill's knobs per token are ``decode_bound_W2_32``.
+
     python benchmarks/quality/tile_levers.py --length 8192 \
         --json benchmarks/results/select_v3_levers_smollm2_cpu.json
 """
@@ -96,6 +101,12 @@ def layer_levers(q, k, study="levers"):
         m = torch.zeros(T, H, N + 1, dtype=torch.bool)
         return m.scatter_(-1, torch.where(idx < 0, N, idx.long()), True)[..., :N]
 
+    if study == "decode":
+        for scorer in ("lse", "bound"):
+            for leaf in (None, 32):
+                add(f"decode_{scorer}_W2_{leaf or K}", select(query_tile=1, tile_reduce="sum",
+                                                              scorer=scorer, beam_leaf=leaf))
+        return row
     add("defaults", select())
     if study == "library":
         for kt in MASS_KS:
@@ -159,7 +170,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--layers", type=int, nargs="+", default=None, help="default: every layer")
     ap.add_argument("--model", default=None, help="as pisa eval's (default: SmolLM2)")
-    ap.add_argument("--study", choices=("levers", "library"), default="levers")
+    ap.add_argument("--study", choices=("levers", "library", "decode"), default="levers")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from pisa.eval.corpus import corpus, token_samples
@@ -184,7 +195,7 @@ def main() -> None:
         print(f"{a:18s} mean {s['mean']:.4f} min {s['min']:.4f}")
     if args.json:
         write_result(args.json, meta("cpu", " ".join(sys.argv), corpus=corpus()[0], K=K, C=C,
-                                     query_tile=QT, model=args.model or "SmolLM2-135M-Instruct",
+                                     query_tile=1 if args.study == "decode" else QT, model=args.model or "SmolLM2-135M-Instruct",
                                      summary=summary), rows)
 
 
