@@ -78,6 +78,25 @@ def _query_program(p_kc, p_vc, s_kb, s_kh, Tq, HQ, G: tl.constexpr, BM: tl.const
 
 
 @triton.jit
+def _nodes_seen(i_m, Tq, N, t_first, C, BM: tl.constexpr):
+    """The nodes a query tile's last query sees: later node tiles would be masked out entirely."""
+    return tl.minimum(N, (t_first + tl.minimum((i_m + 1) * BM, Tq)) // C)
+
+
+@triton.jit
+def _node_tile(p_kh, p_vh, b_q, n0, N, s_kt, o_tok, t_first, C, scale_log2,
+               BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Nodes ``n0 .. n0 + BN`` of a KV head: keys and values ``[BN, DP]`` and the query tile's
+    log2-scaled logits ``[BM, BN]`` (-inf where a query does not see the node)."""
+    o_node = n0 + tl.arange(0, BN)
+    m_node = o_node < N
+    b_k = _rows(p_kh, o_node, m_node, s_kt, D, DP)
+    b_v = _rows(p_vh, o_node, m_node, s_kt, D, DP)
+    b_s = dot_nt(b_q, b_k, F32_PREC) * scale_log2
+    return b_k, b_v, tl.where(_visible(o_tok, o_node, t_first, C), b_s, float("-inf"))
+
+
+@triton.jit
 def _coarse_fwd_kernel(p_q, p_kc, p_vc, p_o, p_lse, s_qb, s_q, s_kb, s_k, s_ob, s_o,
                        Tq, N, t_first, C, scale_log2, HQ, SHAPE: tl.constexpr):
     BM: tl.constexpr = SHAPE.BM
@@ -94,15 +113,9 @@ def _coarse_fwd_kernel(p_q, p_kc, p_vc, p_o, p_lse, s_qb, s_q, s_kb, s_k, s_ob, 
     b_m = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
     b_acc = tl.zeros([BM, DP], tl.float32)
-    # the nodes the program's last query sees: later tiles would be masked out entirely
-    n_hi = tl.minimum(N, (t_first + tl.minimum((i_m + 1) * BM, Tq)) // C)
-    for n0 in range(0, n_hi, BN):
-        o_node = n0 + tl.arange(0, BN)
-        m_node = o_node < N
-        b_k = _rows(p_kh, o_node, m_node, s_kt, D, DP)
-        b_v = _rows(p_vh, o_node, m_node, s_kt, D, DP)
-        b_s = dot_nt(b_q, b_k, F32_PREC) * scale_log2
-        b_s = tl.where(_visible(o_tok, o_node, t_first, C), b_s, float("-inf"))
+    for n0 in range(0, _nodes_seen(i_m, Tq, N, t_first, C, BM), BN):
+        _, b_v, b_s = _node_tile(p_kh, p_vh, b_q, n0, N, s_kt, o_tok, t_first, C, scale_log2,
+                                 BN, D, DP)
         b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, F32_PREC)
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
     _store(p_o + i_b.to(tl.int64) * s_ob + i_hq * s_oh, o_tok, m_tok, s_ot, b_o, D, DP)
@@ -134,14 +147,9 @@ def _coarse_dq_kernel(p_q, p_kc, p_vc, p_do, p_lse, p_delta, p_dq, s_qb, s_q, s_
     b_do = _rows(p_do + o_qh, o_tok, m_tok, s_qt, D, DP)
     b_lse, b_delta = _lse_log2(p_lse, p_delta, i_bh, o_tok, m_tok, Tq)
     b_dq = tl.zeros([BM, DP], tl.float32)
-    n_hi = tl.minimum(N, (t_first + tl.minimum((i_m + 1) * BM, Tq)) // C)
-    for n0 in range(0, n_hi, BN):
-        o_node = n0 + tl.arange(0, BN)
-        m_node = o_node < N
-        b_k = _rows(p_kh, o_node, m_node, s_kt, D, DP)
-        b_v = _rows(p_vh, o_node, m_node, s_kt, D, DP)
-        b_s = dot_nt(b_q, b_k, F32_PREC) * (scale * LOG2E_K)
-        b_s = tl.where(_visible(o_tok, o_node, t_first, C), b_s, float("-inf"))
+    for n0 in range(0, _nodes_seen(i_m, Tq, N, t_first, C, BM), BN):
+        b_k, b_v, b_s = _node_tile(p_kh, p_vh, b_q, n0, N, s_kt, o_tok, t_first, C,
+                                   scale * LOG2E_K, BN, D, DP)
         b_p = tl.exp2(b_s - b_lse[:, None])
         b_ds = b_p * (dot_nt(b_do, b_v, F32_PREC) - b_delta[:, None])
         b_dq += dot_pv(b_ds, b_k, F32_PREC)
