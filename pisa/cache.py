@@ -11,8 +11,6 @@ and SGLang).
 """
 from __future__ import annotations
 
-import functools
-
 from dataclasses import dataclass, replace
 
 import torch
@@ -260,21 +258,22 @@ class PisaCache:
         """``kvcache.check_cache`` of the cache's tensors with a call's lengths, table and slots
         (metadata only), once per metadata: a decode step is host-bound, and a server's steps
         repeat the same few."""
-        check = functools.partial(check_cache, self.k_cache, self.v_cache, self.sums,
-                                  rows.seqlens, self.block_size, self.branching, self.mins,
-                                  self.maxs, block_table=rows.block_table,
-                                  cache_batch_idx=rows.slots)
         if torch.compiler.is_compiling():  # a compiled step is checked once, when traced
-            return check()
+            return self._check_cache(rows)
         key = (_meta(rows.seqlens), _meta(rows.block_table), _meta(rows.slots),
                id(self.k_cache), id(self.v_cache), id(self.sums), id(self.mins), id(self.maxs))
         checked = self.__dict__.setdefault("_checked", set())
         if key in checked:
             return
-        check()
+        self._check_cache(rows)
         if len(checked) >= 64:
             checked.clear()
         checked.add(key)
+
+    def _check_cache(self, rows: CacheRows) -> None:
+        check_cache(self.k_cache, self.v_cache, self.sums, rows.seqlens, self.block_size,
+                    self.branching, self.mins, self.maxs, block_table=rows.block_table,
+                    cache_batch_idx=rows.slots)
 
     def _check_values(self, rows: CacheRows, cache_seqlens, block_table, n_new: int,
                       sync: bool) -> None:

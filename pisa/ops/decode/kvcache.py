@@ -420,6 +420,7 @@ def _pad_fold(x: torch.Tensor, shift: torch.Tensor, group: int, fold: str,
 
 # ``_add_runs`` folds at most this many new key elements at once (128 MB of fp32 a buffer).
 _RUN_ELEMS = 1 << 25
+
 # ``write_kv`` updates every level in one pass while the new keys, repeated once a level, hold at
 # most this many elements (16 MB of fp32: a decode step's few keys, not a prefill's).
 _ONE_PASS_ELEMS = 1 << 22
