@@ -25,8 +25,9 @@ Rows (``pisa.results`` schema; ``splits``, ``num_warps``, ``num_stages``, ``warm
   step (not in the decode rows: the dense rows leave their cache write out too).
 - ``decode/pisa_<selection>`` (``--selections``; issue 27's study of decode's default selection):
   the step with another scorer and leaf beam, ``{lse,bound}_W2_{16,32}`` (``scorer``;
-  ``beam_leaf`` None, i.e. W = 16, or 32), on a cache that keeps the key bounds for "bound"
-  (``decode/pisa_append_kv_bounds``: its cache write, bounds included).
+  ``beam_leaf`` None, i.e. W = 16, or 32), and on a cache of branching 4 (``_g4``: half the
+  levels), on a cache that keeps the key bounds for "bound" (``decode/pisa_append_kv_bounds_g*``:
+  its cache write, bounds included).
 - ``decode/sdpa_<backend>_<gqa>``: SDPA over every key of the same cache (read in place as a
   ``[B, HKV, T, D]`` view) with the FLASH, EFFICIENT and CUDNN backends; GQA either folded into the
   query length (``fold``: ``dense_decode``, the G query heads of a KV head as G query tokens, no
@@ -58,9 +59,13 @@ from pisa.ops.utils.config import DECODE_DEFAULTS, SelectConfig
 # Targets of issue 4 (H200): batch 1 at 1M <= 0.12 ms and <= 1.5x its 32K time; batch 16 at 1M
 # >= 20x faster than the fastest dense decode.
 TARGET_B1_MS, TARGET_B1_RATIO, TARGET_B16_SPEEDUP = 0.12, 1.5, 20.0
-# ``--selections``: decode's scorer and leaf beam (the default is lse_W2_16).
-SELECTIONS = {f"{scorer}_W2_{leaf or W}": dict(scorer=scorer, beam_leaf=leaf)
-              for scorer in ("lse", "bound") for leaf in (None, 32)}
+# ``--selections``: decode's scorer and leaf beam, and the cache's branching (the default is
+# lse_W2_16 on g = 2)
+SELECTIONS = {f"{scorer}_W2_{leaf or W}" + (f"_g{g}" if g != G_BR else ""):
+              dict(scorer=scorer, beam_leaf=leaf, branching=g)
+              for g, scorer, leaf in [(G_BR, s, leaf) for s in ("lse", "bound")
+                                      for leaf in (None, 32)]
+              + [(4, "lse", None), (4, "lse", 32), (4, "bound", 32)]}
 
 
 def sdpa_variants(q, k_cache, v_cache):
@@ -80,16 +85,17 @@ def sdpa_variants(q, k_cache, v_cache):
     return out
 
 
-def filled_cache(B: int, T: int, seed: int, device: str = "cuda", bounds: bool = False):
+def filled_cache(B: int, T: int, seed: int, device: str = "cuda", bounds: bool = False,
+                 branching: int = G_BR):
     """A ``PisaCache`` holding ``T`` random keys/values per sequence (its sums, and with
     ``bounds`` its key bounds, from the pyramid build) and one random query per sequence."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    cache = PisaCache(B, T, HKV, D, block_size=C, branching=G_BR, dtype=DTYPE, device=device,
-                      bounds=bounds)
+    cache = PisaCache(B, T, HKV, D, block_size=C, branching=branching, dtype=DTYPE,
+                      device=device, bounds=bounds)
     cache.k_cache.normal_(generator=gen)
     cache.v_cache.normal_(generator=gen)
-    pyramid = build_pyramid(cache.k_cache, C, G_BR, "triton" if device == "cuda" else "torch",
-                            bounds=bounds)
+    pyramid = build_pyramid(cache.k_cache, C, branching,
+                            "triton" if device == "cuda" else "torch", bounds=bounds)
     cache.sums.copy_(pyramid.means.mul_(pyramid.counts[None, :, None, None]))
     if bounds:
         cache.mins.copy_(pyramid.mins)
@@ -145,15 +151,18 @@ def bench_shape(B: int, T: int, cfg: SelectConfig, args, row) -> None:
 
 
 def bench_selections(B: int, T: int, args, row) -> None:
-    """``decode/pisa_<selection>`` for each of ``--selections`` (a cache with key bounds for the
-    bound scorer, whose cache write is timed too)."""
-    for bounds in (False, True):
-        names = [n for n in args.selections if (SELECTIONS[n]["scorer"] == "bound") == bounds]
-        if not names:
-            continue
-        q, cache = filled_cache(B, T, seed=T + B, bounds=bounds)
-        for name in names:
-            def step(knobs=SELECTIONS[name]):
+    """``decode/pisa_<selection>`` for each of ``--selections``, on a cache of the selection's
+    branching with key bounds for the bound scorer (whose cache write is timed too)."""
+    kinds = sorted({(s["branching"], s["scorer"] == "bound")
+                    for s in map(SELECTIONS.get, args.selections)})
+    for g, bounds in kinds:
+        q, cache = filled_cache(B, T, seed=T + B, bounds=bounds, branching=g)
+        for name in args.selections:
+            knobs = dict(SELECTIONS[name])
+            if (knobs.pop("branching"), knobs["scorer"] == "bound") != (g, bounds):
+                continue
+
+            def step(knobs=knobs):
                 return pisa_attn_with_kvcache(q, cache, topk=K, beam=W, backend="triton",
                                               **knobs)
             row("decode", f"pisa_{name}", "triton", B, T, graph_ms(step),
@@ -163,9 +172,9 @@ def bench_selections(B: int, T: int, args, row) -> None:
             at = cache.cache_seqlens - 1
 
             def append():
-                write_kv(cache.k_cache, cache.v_cache, cache.sums, k1, v1, at, C, G_BR,
+                write_kv(cache.k_cache, cache.v_cache, cache.sums, k1, v1, at, C, g,
                          cache.mins, cache.maxs)
-            row("decode", "pisa_append_kv_bounds", "torch", B, T, graph_ms(append),
+            row("decode", f"pisa_append_kv_bounds_g{g}", "torch", B, T, graph_ms(append),
                 warm_ms=graph_warm_ms(append))
         del q, cache
 
@@ -257,7 +266,7 @@ def table(rows: list[dict]) -> str:
                   f"{r.get('num_stages') or 'default'} | {r['ms']:.4f} | {r['warm_ms']:.4f} |"
                   for r in sweep]
     picks = [r for r in rows if r["impl"].startswith("pisa_") and r.get("scorer")
-             or r["impl"] == "pisa_append_kv_bounds"]
+             or r["impl"].startswith("pisa_append_kv_bounds")]
     if picks:
         lines += ["", "| B | T | decode selection | ms | warm ms |", "|---|---|---|---|---|"]
         lines += [f"| {r['B']} | {r['T']} | {r['impl'][5:]} | {r['ms']:.4f} | "
