@@ -23,7 +23,8 @@ GQA group's summed block LSE, forced blocks in; C = 64, K = 16). Arms:
 
 ``--study decode`` (issue 27, decode's default selection): the per-token walk a decode step runs
 (``query_tile=1``; a decode row equals that prefill row, tested) with each scorer and leaf beam:
-``decode_{lse,bound}_W2_{16,32}`` (``scorer``; ``beam_leaf`` None = W = 16, or 32). Today's decode
+``decode_{lse,bound}_W2_{16,32}`` (``scorer``; ``beam_leaf`` None = W = 16, or 32), and with
+``branching=4`` (``_g4``: half the levels to walk, a cache built with g = 4). Today's decode
 default is ``decode_lse_W2_16``; prefill's knobs per token are ``decode_bound_W2_32``.
 
     python benchmarks/quality/tile_levers.py --length 8192 \
@@ -47,6 +48,9 @@ from pisa.ops.select import tiles_to_tokens
 
 K, C, QT = 16, 64, 16
 MASS_KS = (16, 17, 18, 20)
+# --study decode: (branching, scorer, beam_leaf) of each per-token walk
+DECODE_ARMS = [(2, scorer, leaf) for scorer in ("lse", "bound") for leaf in (None, 32)] + \
+    [(4, "lse", None), (4, "lse", 32), (4, "bound", 32)]
 
 
 def block_lse(q, k):
@@ -102,10 +106,10 @@ def layer_levers(q, k, study="levers"):
         return m.scatter_(-1, torch.where(idx < 0, N, idx.long()), True)[..., :N]
 
     if study == "decode":
-        for scorer in ("lse", "bound"):
-            for leaf in (None, 32):
-                add(f"decode_{scorer}_W2_{leaf or K}", select(query_tile=1, tile_reduce="sum",
-                                                              scorer=scorer, beam_leaf=leaf))
+        for g, scorer, leaf in DECODE_ARMS:
+            add(f"decode_{scorer}_W2_{leaf or K}" + (f"_g{g}" if g != 2 else ""),
+                select(query_tile=1, tile_reduce="sum", scorer=scorer, beam_leaf=leaf,
+                       branching=g))
         return row
     add("defaults", select())
     if study == "library":
