@@ -325,6 +325,26 @@ def test_lse_gradient_matches_oracle(rng):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_eager_calls_skip_the_custom_ops_dispatch():
+    """An eager process (prefill forward + backward, a cache's prefill and decode step) never
+    imports ``torch._dynamo``: the custom ops' dispatch, which would, is for tracing
+    (``pisa.ops.utils.dispatch.use_op``); its import was seconds of a process's first call."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch, pisa\n"
+        "q, k, v = (torch.randn(1, 300, h, 16, requires_grad=True) for h in (4, 2, 2))\n"
+        "pisa.pisa_attn(q, k, v, block_size=16, topk=4).sum().backward()\n"
+        "c = pisa.PisaCache(1, 400, 2, 16, block_size=16, dtype=torch.float32)\n"
+        "q, k = torch.randn(1, 301, 4, 16), torch.randn(1, 301, 2, 16)\n"
+        "pisa.pisa_attn_with_kvcache(q[:, :300], c, k[:, :300], k[:, :300], topk=4)\n"
+        "pisa.pisa_attn_with_kvcache(q[:, 300:], c, k[:, 300:], k[:, 300:], topk=4)\n"
+        "assert q.grad is None and 'torch._dynamo' not in sys.modules, 'dynamo imported'\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_model_compiles_with_fullgraph(rng):
     """Selection and attention are custom ops, so torch.compile traces through pisa_attn."""
     from pisa import PisaAttention

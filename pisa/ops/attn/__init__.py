@@ -7,7 +7,9 @@ A selection has a row per query token (``query_tile = 1``, ``[B, Tq, HKV, S]``) 
 positions ``[i * Qt, (i + 1) * Qt)`` share row ``i - (Tk - Tq) // Qt``);
 ``utils.config.check_block_idx`` validates a caller's.
 
-Both custom ops are opaque to torch.compile (data-dependent indexing, host syncs inside).
+Both custom ops are opaque to torch.compile (data-dependent indexing, host syncs inside); an
+eager call runs the same functions through ``_SparseAttn`` instead of the op's dispatch
+(``utils.dispatch.use_op``).
 """
 from __future__ import annotations
 
@@ -17,17 +19,20 @@ import torch
 from torch import Tensor
 
 from ..utils.config import SelectConfig, n_query_tiles
+from ..utils.dispatch import use_op
 
 
-@torch.library.custom_op("pisa::sparse_attn", mutates_args=())
-def _attn_op(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: int, scale: float,
-             backend: str, deterministic: bool, query_tile: int) -> tuple[Tensor, Tensor]:
+def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, block_size: int, scale: float,
+              backend: str, deterministic: bool, query_tile: int) -> tuple[Tensor, Tensor]:
     """``o`` (q's dtype) and ``lse [B, HQ, Tq]`` (fp64 for fp64 torch inputs, else fp32)."""
     if backend == "triton":
         from .triton import attn_fwd_triton
         return attn_fwd_triton(q, k, v, block_idx, block_size, scale, query_tile)
     from .torch_backend import attn_fwd_torch
     return attn_fwd_torch(q, k, v, block_idx, block_size, scale, query_tile)
+
+
+_attn_op = torch.library.custom_op("pisa::sparse_attn", _attn_fwd, mutates_args=())
 
 
 @_attn_op.register_fake
@@ -38,17 +43,19 @@ def _(q, k, v, block_idx, block_size, scale, backend, deterministic, query_tile)
                                             dtype=lse_dtype)
 
 
-@torch.library.custom_op("pisa::sparse_attn_bwd", mutates_args=())
-def _attn_bwd_op(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
-                 lse: Tensor, block_idx: Tensor, block_size: int, scale: float,
-                 backend: str, deterministic: bool,
-                 query_tile: int) -> tuple[Tensor, Tensor, Tensor]:
+def _attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
+              lse: Tensor, block_idx: Tensor, block_size: int, scale: float,
+              backend: str, deterministic: bool,
+              query_tile: int) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "triton":
         from .triton import attn_bwd_triton
         return attn_bwd_triton(do, dlse, q, k, v, o, lse, block_idx, block_size, scale,
                                deterministic, query_tile)
     from .torch_backend import attn_bwd_torch
     return attn_bwd_torch(do, dlse, q, k, v, o, lse, block_idx, block_size, scale, query_tile)
+
+
+_attn_bwd_op = torch.library.custom_op("pisa::sparse_attn_bwd", _attn_bwd, mutates_args=())
 
 
 @_attn_bwd_op.register_fake
@@ -65,11 +72,27 @@ def _attn_setup(ctx, inputs, output):
 
 def _attn_backward(ctx, do, dlse):
     q, k, v, o, lse, block_idx = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd_op(do.contiguous(), dlse, q, k, v, o, lse, block_idx, *ctx.args)
+    bwd = _attn_bwd_op if use_op(q) else _attn_bwd
+    dq, dk, dv = bwd(do.contiguous(), dlse, q, k, v, o, lse, block_idx, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 
 _attn_op.register_autograd(_attn_backward, setup_context=_attn_setup)
+
+
+class _SparseAttn(torch.autograd.Function):
+    """The eager twin of the custom op's autograd (the same setup and backward), for calls
+    that need no op (``utils.dispatch.use_op``)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _attn_fwd(*inputs)
+        _attn_setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _attn_backward(ctx, do, dlse)
 
 
 def sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, *, cfg: SelectConfig,
@@ -96,8 +119,9 @@ def sparse_attn(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, *, cfg: Sele
         from .naive import naive_attn
         o, lse = naive_attn(q, k, v, block_idx.cpu(), cfg.block_size, cfg.scale, tile)
         return o.to(q.dtype), lse.float()
-    o, lse = _attn_op(q, k, v, block_idx, cfg.block_size, cfg.scale, backend,
-                      bool(deterministic), tile)
+    attn = _attn_op if use_op(q) else _SparseAttn.apply
+    o, lse = attn(q, k, v, block_idx, cfg.block_size, cfg.scale, backend, bool(deterministic),
+                  tile)
     return o, lse.float()
 
 

@@ -16,6 +16,7 @@ import torch
 from ..attn import sparse_attn
 from ..select import select
 from ..utils.config import SelectConfig, check_qk
+from ..utils.dispatch import use_op
 from .kvcache import gather_pages, pyramid_from_sums
 
 
@@ -41,7 +42,7 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     by field name): a compiled, CUDA-graphed decode step launches the kernel as it is."""
     tensors = (q, k_cache, v_cache, sums, cache_seqlens, mins, maxs, block_table,
                cache_batch_idx)
-    if torch.compiler.is_compiling():  # opaque to the compiler, as write_kv
+    if use_op(q):  # opaque to the compiler, as write_kv
         return _decode_op(*tensors, backend, **cfg.op_kwargs())
     return _decode(*tensors, backend, cfg)
 

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from ..pyramid import Pyramid
 from ..utils.config import check_geometry
+from ..utils.dispatch import use_op
 from ..utils.geometry import cdiv, compute_dtype, level_offsets, level_sizes
 
 
@@ -277,7 +278,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     Under ``torch.compile`` it is the custom op ``torch.ops.pisa.write_kv`` (mutating the cache's
     tensors): the compiler traces none of its Python and no value is read, not even on CPU.
     """
-    if torch.compiler.is_compiling():  # opaque to the compiler: its tracing reads no value
+    if use_op(k_new):  # opaque to the compiler: its tracing reads no value
         _write_kv_op(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching,
                      mins, maxs, block_table, cache_batch_idx)
     else:

@@ -22,6 +22,7 @@ from torch import Tensor
 from ..pyramid import Pyramid, build_pyramid
 from ..utils.config import SelectConfig, n_query_tiles
 from ..utils.csr import token_rows
+from ..utils.dispatch import use_op
 from ..utils.geometry import cdiv, level_offsets
 
 
@@ -52,14 +53,10 @@ def _select_triton(q: Tensor, k: Tensor, cfg: SelectConfig, pyramid: Pyramid | N
 
 # The config crosses the custom op's boundary by field name: its fields are the op's keyword-only
 # arguments (``SelectConfig.op_schema``), passed as ``**cfg.op_kwargs()``.
-@torch.library.custom_op("pisa::select", mutates_args=(), schema=(
-    "(Tensor q, Tensor k, Tensor? means, Tensor? counts, Tensor? mins, Tensor? maxs, "
-    f"str backend, Tensor? blk0, Tensor? q_ok, *, {SelectConfig.op_schema()}) "
-    "-> (Tensor, Tensor)"))
-def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[Tensor],
-               mins: Optional[Tensor], maxs: Optional[Tensor], backend: str,
-               blk0: Optional[Tensor], q_ok: Optional[Tensor],
-               **fields) -> tuple[Tensor, Tensor]:
+def _select_impl(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[Tensor],
+                 mins: Optional[Tensor], maxs: Optional[Tensor], backend: str,
+                 blk0: Optional[Tensor], q_ok: Optional[Tensor],
+                 **fields) -> tuple[Tensor, Tensor]:
     cfg = SelectConfig(**fields)
     pyramid = None if means is None else Pyramid(
         means, counts, level_offsets(k.shape[1], cfg.block_size, cfg.branching), mins, maxs)
@@ -78,6 +75,12 @@ def _select_op(q: Tensor, k: Tensor, means: Optional[Tensor], counts: Optional[T
     return select_torch(q, k, cfg, pyramid, blk0, q_ok)
 
 
+_select_op = torch.library.custom_op("pisa::select", _select_impl, mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor? means, Tensor? counts, Tensor? mins, Tensor? maxs, "
+    f"str backend, Tensor? blk0, Tensor? q_ok, *, {SelectConfig.op_schema()}) "
+    "-> (Tensor, Tensor)"))
+
+
 @_select_op.register_fake
 def _(q, k, means, counts, mins, maxs, backend, blk0, q_ok, **fields):
     cfg = SelectConfig(**fields)
@@ -90,7 +93,8 @@ def _(q, k, means, counts, mins, maxs, backend, blk0, q_ok, **fields):
 def select(q: Tensor, k: Tensor, *, cfg: SelectConfig, backend: str,
            pyramid: Pyramid | None = None, blk0: Tensor | None = None,
            q_ok: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Selection through the custom op ``torch.ops.pisa.select`` (opaque to torch.compile).
+    """Selection through the custom op ``torch.ops.pisa.select`` (opaque to torch.compile; an
+    eager call runs the op's function directly: ``utils.dispatch.use_op``).
 
     ``q [B, Tq, HQ, D]``, ``k [B, Tk, HKV, D]`` (checked), ``cfg`` resolved, ``backend`` one of
     ``"torch"``, ``"triton"``, ``"naive"``; ``pyramid``: the pyramid of ``k`` if the caller holds
@@ -104,7 +108,8 @@ def select(q: Tensor, k: Tensor, *, cfg: SelectConfig, backend: str,
     No gradient."""
     tensors = (None,) * 4 if pyramid is None else (pyramid.means, pyramid.counts, pyramid.mins,
                                                    pyramid.maxs)
-    return _select_op(q, k, *tensors, backend, blk0, q_ok, **cfg.op_kwargs())
+    op = _select_op if use_op(q) else _select_impl
+    return op(q, k, *tensors, backend, blk0, q_ok, **cfg.op_kwargs())
 
 
 def tiles_to_tokens(block_idx: Tensor, counts: Tensor, n_queries: int, n_keys: int,
