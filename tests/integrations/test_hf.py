@@ -470,7 +470,8 @@ def test_static_cache_generate_compiles_one_graph_equal_to_the_eager_cache(rng):
     """``PisaHFCache(static=True)``: ``generate`` compiles its decode steps (``fullgraph=True``:
     no graph break; the ``aot_eager`` backend, which runs the fake kernels of the custom ops at
     tracing and the real ones after) into one graph for every token past K blocks, and gives the
-    eager ``PisaHFCache``'s tokens and logits; eager, the static cache does too."""
+    eager ``PisaHFCache``'s tokens and logits; eager, the static cache does too; reset and reused
+    for a prompt of another length, the same graph serves."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
     _, sparse = _pair()
@@ -485,11 +486,16 @@ def test_static_cache_generate_compiles_one_graph_equal_to_the_eager_cache(rng):
     static = pisa_hf.PisaHFCache(sparse.config, 4 * FITS, static=True)
     assert static.is_compileable and not pisa_hf.PisaHFCache(sparse.config, 8).is_compileable
     got = _greedy(sparse, prompt, new, static, compiled)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert int(static.layers[0].get_seq_length()) == prompt.shape[1] + new - 1 > 2 * FITS
     for out in (eager, got):
         assert torch.equal(out[0], ref[0])
         torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-5)
+    static.reset()  # reused for another prompt length: the same graph
+    prompt = torch.randint(0, 128, (2, FITS + 9))
+    got = _greedy(sparse, prompt, new, static, compiled)
+    ref = _greedy(sparse, prompt, new, pisa_hf.PisaHFCache(sparse.config, 4 * FITS))
+    assert torch.equal(got[0], ref[0])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 def test_static_cache_refuses_hybrid_layers_padding_and_bad_arguments(rng):
