@@ -34,11 +34,11 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 try:
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 except ImportError as e:  # transformers 4 has no CacheLayerMixin
     raise ImportError("pisa.integrations.hf needs transformers >= 5: "
@@ -47,7 +47,7 @@ except ImportError as e:  # transformers 4 has no CacheLayerMixin
 from ..api import pisa_attn, pisa_attn_varlen, pisa_attn_with_kvcache
 from ..cache import PisaCache
 from ..ops.utils.config import BEAM_LEAF, SCORER, TILE_REDUCE, SelectConfig, resolve_backend
-from ..ops.utils.varlen import RowGather, inverse_rows, seq_of
+from ..ops.utils.varlen import RowGather, inverse_rows
 
 NAME = "pisa"
 # The attribute on the keys PisaCacheLayer.update returns that names their pisa.PisaCache.
@@ -87,22 +87,29 @@ class PackedBatch:
     inv_k: torch.Tensor | None = None
 
 
-def _varlen_forward(query, key, value, packed: PackedBatch, scaling, knobs):
-    """``pisa_attn_varlen`` of ``query [B, HQ, Tq, D]``, ``key, value [B, HKV, Tk, D]`` over the
-    sequences of ``packed``: ``[B, Tq, HQ, D]``, zeros at padding."""
+def _varlen_forward(query, key, value, packed: PackedBatch, attend, backend: str = "auto"):
+    """``attend(q, k, v)`` of the flattened real tokens of ``query [B, HQ, Tq, D]``, ``key, value
+    [B, HKV, Tk, D]`` (``[N, H, D]`` each, the sequences of ``packed`` one after another) back in
+    the batch's layout: ``[B, Tq, HQ, D]``, zeros at padding. ``backend`` picks the gathers'."""
     B, _, Tq, _ = query.shape
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
                for x in (query, key, value))
     padded = packed.rows_q is not None
     if padded:  # gathers both ways (RowGather): no index_copy, no index_add in the backward
-        gather = "triton" if resolve_backend(knobs["backend"], q) == "triton" else "torch"
+        gather = "triton" if resolve_backend(backend, q) == "triton" else "torch"
         q = RowGather.apply(q, packed.rows_q, packed.inv_q, gather)
         k, v = (RowGather.apply(x, packed.rows_k, packed.inv_k, gather) for x in (k, v))
-    o = pisa_attn_varlen(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q,
-                         packed.max_seqlen_k, scale=scaling, **knobs)
+    o = attend(q, k, v)
     if padded:  # zeros at padding
         o = RowGather.apply(o, packed.inv_q, packed.rows_q, gather)
     return o.view(B, Tq, *o.shape[1:])
+
+
+def _pisa_varlen(packed: PackedBatch, scaling, knobs):
+    """``attend`` for ``_varlen_forward``: ``pisa_attn_varlen`` over the sequences."""
+    return lambda q, k, v: pisa_attn_varlen(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_k,
+                                            packed.max_seqlen_q, packed.max_seqlen_k,
+                                            scale=scaling, **knobs)
 
 
 def _kwargs_batch(kwargs) -> PackedBatch | None:
@@ -183,46 +190,40 @@ def _runs_pisa(module) -> bool:
     return idx in layers
 
 
-def _token_seqs(cu_seqlens, rows, n_flat: int):
-    """Per flat token ``[n_flat]``: its sequence in ``cu_seqlens`` and its position there (-1 at
-    padding: ``rows``, the real tokens' flat indices; None when every token is real)."""
-    cu = cu_seqlens.long()
-    seq = seq_of(cu, n_flat if rows is None else rows.numel())  # empty sequences are skipped
-    pos = torch.arange(seq.numel(), device=cu.device) - cu[seq]
-    if rows is None:
-        return seq, pos
-    full = torch.full((2, n_flat), -1, dtype=torch.long, device=cu.device)
-    full[:, rows] = torch.stack([seq, pos])
-    return full[0], full[1]
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling) -> torch.Tensor:
+    """Dense attention of ``q [B, HQ, Tq, D]`` over ``k, v [B, HKV, Tk, D]`` (``Tq <= Tk``), the
+    queries the last ``Tq`` positions (bottom-right causal), with no ``[Tq, Tk]`` mask: SDPA's
+    ``is_causal`` for ``Tq == Tk``, none for one query, its lower-right causal bias between
+    (which the flash and efficient kernels take as it is). ``[B, HQ, Tq, D]``."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    if k.shape[1] != q.shape[1]:  # GQA: the bias's kernels take equal head counts
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    bias = causal_lower_right(Tq, Tk) if 1 < Tq < Tk else None
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                                            is_causal=1 < Tq == Tk, scale=scaling)
 
 
-def _sdpa_forward(module, query, key, value, packed, scaling, **kwargs):
-    """transformers' sdpa attention for a layer ``config.pisa_layers`` leaves dense, with the
-    mask ``pisa_mask`` did not build: ``[B, 1, Tq, Tk]`` bool from ``packed`` (a query sees its
-    own sequence's keys up to its position, bottom-right), or bottom-right causal for chunked
-    prefill (SDPA's ``is_causal`` is top-left), else none (causal self-attention, decode).
-    Padding queries see their row's first key (a finite softmax) and output zeros."""
-    B, _, Tq, _ = query.shape
-    Tk = key.shape[2]
-    mask, pad = None, None
+def _sdpa_seqs(packed: PackedBatch, scaling):
+    """``attend`` for ``_varlen_forward``: dense attention of each sequence alone (one host read
+    of the sequence bounds a layer; no mask across sequences)."""
+    def attend(q, k, v):
+        cu_q, cu_k = packed.cu_seqlens_q.tolist(), packed.cu_seqlens_k.tolist()
+        outs = [_causal_sdpa(*(x[a:b].transpose(0, 1)[None] for x, a, b in (
+                    (q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]),
+                    (v, cu_k[i], cu_k[i + 1]))), scaling)[0].transpose(0, 1)
+                for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
+        return torch.cat(outs) if outs else q.new_zeros(q.shape)
+    return attend
+
+
+def _sdpa_forward(query, key, value, packed, scaling):
+    """Dense attention for a layer ``config.pisa_layers`` leaves dense, as transformers' sdpa
+    but with no ``[Tq, Tk]`` mask (O(N) memory): each sequence of ``packed`` alone (padded or
+    packed batches; zeros at padding), else bottom-right causal over the whole rows (prefill,
+    chunked prefill, decode). ``(out [B, Tq, HQ, D], None)``."""
     if packed is not None:
-        seq_q, pos_q = (x.view(B, Tq) for x in _token_seqs(packed.cu_seqlens_q, packed.rows_q,
-                                                           B * Tq))
-        seq_k, pos_k = (x.view(B, Tk) for x in _token_seqs(packed.cu_seqlens_k, packed.rows_k,
-                                                           B * Tk))
-        lens = torch.diff(packed.cu_seqlens_k.long()) - torch.diff(packed.cu_seqlens_q.long())
-        last = pos_q + lens[seq_q.clamp_min(0)]  # the last key position each query sees
-        pad = seq_q < 0
-        mask = (seq_q[:, :, None] == seq_k[:, None, :]) & ~pad[:, :, None] \
-            & (pos_k[:, None, :] <= last[:, :, None])
-        mask[:, :, 0] |= pad
-        mask = mask[:, None]
-    elif 1 < Tq < Tk:
-        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril(Tk - Tq)
-    for name in ("pisa_cache", "is_causal"):
-        kwargs.pop(name, None)
-    out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
-    return (out if pad is None else out.masked_fill(pad[:, :, None, None], 0)), None
+        return _varlen_forward(query, key, value, packed, _sdpa_seqs(packed, scaling)), None
+    return _causal_sdpa(query, key, value, scaling).transpose(1, 2), None
 
 
 def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -265,7 +266,7 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         raise ValueError("attn_implementation='pisa' supports full causal attention only, not "
                          "bidirectional or sliding-window layers")
     if not _runs_pisa(module):  # config.pisa_layers: a dense layer of a hybrid model
-        return _sdpa_forward(module, query, key, value, packed, scaling, **kwargs)
+        return _sdpa_forward(query, key, value, packed, scaling)
     knobs = pisa_knobs(module.config)
     cache = kwargs.get("pisa_cache")
     if cache is None:  # transformers that do not pass the attention's kwargs to the cache
@@ -274,7 +275,8 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         if cache is not None:
             raise ValueError("attn_implementation='pisa' does not support padded or packed "
                              "batches with PisaHFCache; use the default DynamicCache")
-        return _varlen_forward(query, key, value, packed, scaling, knobs), None
+        return _varlen_forward(query, key, value, packed, _pisa_varlen(packed, scaling, knobs),
+                               knobs["backend"]), None
     if cache is None:
         out = pisa_attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                         scale=scaling, **knobs)
