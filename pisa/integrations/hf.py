@@ -149,7 +149,7 @@ def _positions_batch(position_ids, query, key) -> PackedBatch | None:
 def pisa_layers_of(config) -> frozenset[int] | None:
     """``config.pisa_layers``, checked: None (default: every layer runs PISA) or the indices
     (``layer_idx``, in ``[0, num_hidden_layers)``) of the layers that run PISA, the others running
-    transformers' sdpa attention (hybrid models, as MoBA keeps some full-attention layers).
+    exact dense attention, SDPA (hybrid models, as MoBA keeps some full-attention layers).
     ``TypeError`` / ``ValueError`` naming ``config.pisa_layers`` otherwise."""
     layers = getattr(config, "pisa_layers", None)
     if layers is None:
@@ -234,7 +234,8 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     Arguments:
         module: the calling attention module; its ``config`` carries the PISA knobs. With
             ``config.pisa_layers`` (``pisa_layers_of``) a module whose ``layer_idx`` is not
-            listed runs transformers' sdpa attention instead (a hybrid model's dense layer).
+            listed runs exact dense attention (SDPA, ``_sdpa_forward``: a hybrid model's dense
+            layer).
         query: (batch, nheads, seqlen_q, headdim), post-RoPE.
         key, value: (batch, nheads_k, seqlen_k, headdim): the whole cache including the new
             tokens; the queries are its last ``seqlen_q`` positions.
