@@ -208,10 +208,13 @@ def _sdpa_seqs(packed: PackedBatch, scaling):
     of the sequence bounds a layer; no mask across sequences)."""
     def attend(q, k, v):
         cu_q, cu_k = packed.cu_seqlens_q.tolist(), packed.cu_seqlens_k.tolist()
-        outs = [_causal_sdpa(*(x[a:b].transpose(0, 1)[None] for x, a, b in (
-                    (q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]),
-                    (v, cu_k[i], cu_k[i + 1]))), scaling)[0].transpose(0, 1)
-                for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
+        outs = []
+        for i in range(len(cu_q) - 1):
+            if cu_q[i + 1] == cu_q[i]:  # a sequence without queries
+                continue
+            at_q, at_k = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            seq = (x[at].transpose(0, 1)[None] for x, at in ((q, at_q), (k, at_k), (v, at_k)))
+            outs.append(_causal_sdpa(*seq, scaling)[0].transpose(0, 1))
         return torch.cat(outs) if outs else q.new_zeros(q.shape)
     return attend
 
