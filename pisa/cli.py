@@ -247,6 +247,9 @@ def _warmup_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda")
     p.add_argument("--manifest", default=None,
                    help="default $PISA_CACHE_DIR/kernels.json (~/.cache/pisa/kernels.json)")
+    p.add_argument("--binaries", default=None, metavar="PATH",
+                   help="also pack the recorded kernels' binaries from Triton's cache into this "
+                   "tar.xz (what pisa ships as pisa/ops/utils/kernels_bin.tar.xz)")
     _knob_arguments(p)
     return p
 
@@ -265,6 +268,14 @@ def warmup_main(args: argparse.Namespace) -> int:
         for key, entries in keys.items():
             print(f"{tgt}  {key}: {len(entries)} kernel variants")
     print(f"recorded in {args.manifest or user_manifest()} ({time.perf_counter() - t0:.1f} s)")
+    if args.binaries:
+        import triton
+
+        from .ops.utils.kernel_binaries import pack
+        for tgt, keys in targets.items():
+            names = {e["kernel"].rsplit(":", 1)[1] for entries in keys.values() for e in entries}
+            n = pack(triton.knobs.cache.dir, names, tgt, args.binaries)
+            print(f"{tgt}: {n} kernel binaries in {args.binaries}")
     return 0
 
 

@@ -13,6 +13,8 @@ the slowest kernel's instead of their sum). Each entry is Triton's own serialise
 Manifests: the one shipped with pisa (``kernels.json`` beside this file: the benchmark shapes,
 built on the H200 with ``pisa warmup``) and the user's (``$PISA_CACHE_DIR/kernels.json``, default
 ``~/.cache/pisa``), which ``pisa warmup`` writes. ``PISA_PRECOMPILE=0`` turns ``precompile`` off.
+The first ``precompile`` of a process also seeds Triton's cache with the shipped binaries
+(``kernel_binaries``), so on a matching machine the preloads load instead of compiling.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
+
+from .kernel_binaries import seed_once
 
 SHIPPED = Path(__file__).with_name("kernels.json")
 VERSION = 2  # 2: constexprs kept with their types (``encode``)
@@ -174,6 +178,7 @@ def precompile(entry: str, q: torch.Tensor, num_kv_heads: int, grad: bool, cfg=N
     with _lock:
         if seen in _done:
             return
+        seed_once(target)  # shipped binaries first: the preloads below then load, not compile
         entries = manifest_entries(key)
         if entries:
             device = torch.cuda.current_device()
