@@ -249,7 +249,7 @@ def _warmup_parser(sub) -> argparse.ArgumentParser:
                    help="default $PISA_CACHE_DIR/kernels.json (~/.cache/pisa/kernels.json)")
     p.add_argument("--binaries", default=None, metavar="PATH",
                    help="also pack the recorded kernels' binaries from Triton's cache into this "
-                   "tar.xz (what pisa ships as pisa/ops/utils/kernels_bin.tar.xz)")
+                   "tar.xz (the form pisa ships them in, beside its kernel manifest)")
     _knob_arguments(p)
     return p
 
