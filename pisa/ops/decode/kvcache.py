@@ -278,33 +278,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     Under ``torch.compile`` it is the custom op ``torch.ops.pisa.write_kv`` (mutating the cache's
     tensors): the compiler traces none of its Python and no value is read, not even on CPU.
     """
-    if use_op(k_new):  # opaque to the compiler: its tracing reads no value
-        _write_kv_op(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching,
-                     mins, maxs, block_table, cache_batch_idx)
-    else:
-        _write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching,
-                  mins, maxs, block_table, cache_batch_idx)
+    write = _write_kv_op if use_op(k_new) else _write_kv  # the op: opaque to the compiler
+    write(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching, mins, maxs,
+          block_table, cache_batch_idx)
 
 
-@torch.library.custom_op("pisa::write_kv",
-                         mutates_args=("k_cache", "v_cache", "sums", "mins", "maxs"))
-def _write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
-                 k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
-                 block_size: int, branching: int, mins: Optional[torch.Tensor],
-                 maxs: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                 cache_batch_idx: Optional[torch.Tensor]) -> None:
-    _write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching, mins,
-              maxs, block_table, cache_batch_idx)
-
-
-@_write_kv_op.register_fake
-def _(*args) -> None:
-    return None
-
-
-def _write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, branching, mins,
-              maxs, block_table, cache_batch_idx) -> None:
-    """``write_kv``'s work (its arguments by position)."""
+def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
+              k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+              block_size: int, branching: int, mins: Optional[torch.Tensor],
+              maxs: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+              cache_batch_idx: Optional[torch.Tensor]) -> None:
+    """``write_kv``'s work (its arguments by position; the body of ``pisa::write_kv``)."""
     B, L = k_new.shape[:2]
     S, N, H, D = sums.shape
     C, dev = block_size, k_cache.device
@@ -364,6 +348,15 @@ def _write_kv(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, block_size, b
     flat.index_add_(0, rows, keys)
     for x, reduce in bounds:
         x.scatter_reduce_(0, rows[:, None, None].expand(keys.shape), keys, reduce)
+
+
+_write_kv_op = torch.library.custom_op(
+    "pisa::write_kv", _write_kv, mutates_args=("k_cache", "v_cache", "sums", "mins", "maxs"))
+
+
+@_write_kv_op.register_fake
+def _(*args) -> None:
+    return None
 
 
 # A run's per-node reductions (``_add_runs``; ``Tensor`` methods and ``scatter_reduce_`` modes)
