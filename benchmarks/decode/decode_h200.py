@@ -13,7 +13,9 @@ Timing (``benchmarks/common.py``). ``ms``: one step captured in a CUDA graph, it
 ``time_ms`` (do_bench: the L2 cache flushed before each replay, as in a model whose other layers
 evict this layer's cache between steps; median of CUDA events). ``warm_ms``:
 ``triton.testing.do_bench_cudagraph`` (the step unrolled in a graph, back to back, L2 warm), for
-comparison with figures measured that way (the dense anchors of docs/spec.md §10).
+comparison with figures measured that way (the dense anchors of docs/spec.md §10). ``eager_ms``
+(the pisa rows): the step called from Python, its host checks and launches included (``time_ms``,
+L2 flushed): issue 27's eager bar.
 
 Rows (``pisa.results`` schema; ``splits``, ``num_warps``, ``num_stages``, ``warm_ms``,
 ``best_of`` are extra columns; ``None`` is the default):
@@ -116,7 +118,7 @@ def bench_shape(B: int, T: int, cfg: SelectConfig, args, row) -> None:
         return pisa_attn_with_kvcache(q, cache, topk=K, beam=W, backend="triton")
     splits = default_num_splits(B, HKV, cfg.slots, q.device)
     row("decode", "pisa", "triton", B, T, graph_ms(step), splits=splits, num_warps=None,
-        num_stages=None, warm_ms=graph_warm_ms(step))
+        num_stages=None, warm_ms=graph_warm_ms(step), eager_ms=time_ms(step, "cuda"))
     if B == 1 and T in args.sweep_lengths:
         sweep = [(s, None, None) for s in args.splits] + [(splits, w, None) for w in args.warps] \
             + [(splits, None, st) for st in args.stages]
@@ -166,7 +168,8 @@ def bench_selections(B: int, T: int, args, row) -> None:
                 return pisa_attn_with_kvcache(q, cache, topk=K, beam=W, backend="triton",
                                               **knobs)
             row("decode", f"pisa_{name}", "triton", B, T, graph_ms(step),
-                warm_ms=graph_warm_ms(step), **SELECTIONS[name])
+                warm_ms=graph_warm_ms(step), eager_ms=time_ms(step, "cuda"),
+                **SELECTIONS[name])
         if bounds:
             k1, v1 = (torch.randn(B, 1, HKV, D, device="cuda", dtype=DTYPE) for _ in range(2))
             at = cache.cache_seqlens - 1
