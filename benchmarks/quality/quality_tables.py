@@ -9,6 +9,8 @@ is missing). The defaults render the current suite, ``docs/quality_trained_v2.md
 
 Several files (launches of one protocol that ran different arms) render as one: their rows and
 runs are pooled, the first file's meta heads the page and every launch's command is listed.
+``FILE:arm,arm`` takes only those arms of a file (an arm re-run at equal steps in a later launch
+replaces the earlier launch's cut runs).
 """
 from __future__ import annotations
 
@@ -257,7 +259,9 @@ def markdown(res: Results, png: str | None) -> str:
     parts = ["# Trained-model quality: dense vs PISA vs flat selectors", "", header(res.meta)]
     if len(launches) > 1:
         parts += ["Launches pooled on this page: "
-                  + "; ".join(f"`{m['command']}` ({m['date']})" for m in launches), ""]
+                  + "; ".join(f"`{m['command']}` ({m['date']}"
+                              + (f"; arms taken: {', '.join(m['arms'])}" if m.get("arms") else "")
+                              + ")" for m in launches), ""]
     parts += [
              "Small GPTs (`pisa/eval/gpt.py`) trained at T = "
              f"{cfg.get('train_T')} on language modelling plus the synthetic tasks of "
@@ -345,7 +349,8 @@ def pool(results: list[dict]) -> dict:
     """One result from several launches: rows, beam rows, runs and sweeps pooled; the first
     launch's meta, with every launch's command and date under ``launches``."""
     meta = dict(results[0]["meta"])
-    meta["launches"] = [{k: r["meta"].get(k) for k in ("command", "date")} for r in results]
+    meta["launches"] = [{k: r["meta"].get(k) for k in ("command", "date", "arms")}
+                        for r in results]
     for key in ("runs", "lr_sweep"):
         meta[key] = [x for r in results for x in r["meta"].get(key, [])]
     meta["calibration"] = {"sec_per_step": {k: v for r in results for k, v in (
@@ -354,14 +359,30 @@ def pool(results: list[dict]) -> dict:
             "beam_rows": [x for r in results for x in r.get("beam_rows", [])]}
 
 
+def only_arms(result: dict, arms: set[str]) -> dict:
+    """``result`` with the rows, beam rows and runs of ``arms`` only."""
+    meta = dict(result["meta"], arms=sorted(arms),
+                runs=[r for r in result["meta"].get("runs", []) if r["arm"] in arms])
+    return {"meta": meta, "rows": [r for r in result["rows"] if r["arm"] in arms],
+            "beam_rows": [r for r in result.get("beam_rows", []) if r["arm"] in arms]}
+
+
+def read(specs: list[str]) -> list[dict]:
+    """The result files of ``specs`` (``PATH`` or ``PATH:arm,arm``), arms selected."""
+    split = [[spec] if spec.endswith(".json") else spec.rsplit(":", 1) for spec in specs]
+    results = read_results([s[0] for s in split])
+    return [only_arms(r, set(s[1].split(","))) if len(s) > 1 else r
+            for r, s in zip(results, split)]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json", nargs="*", default=["benchmarks/results/quality_trained_v2.json",
+    ap.add_argument("json", nargs="*", metavar="FILE[:arm,arm]", default=["benchmarks/results/quality_trained_v2.json",
                                                 "benchmarks/results/quality_trained_v2_b.json"])
     ap.add_argument("--md", default="docs/quality_trained_v2.md")
     ap.add_argument("--png", default="docs/quality_trained_v2.png")
     args = ap.parse_args(argv)
-    results = read_results(args.json)
+    results = read(args.json)
     res = Results(results[0] if len(results) == 1 else pool(results))
     png = args.png if args.png and plot(res, args.png) else None
     Path(args.md).write_text(markdown(res, png))

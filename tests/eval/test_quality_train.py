@@ -475,3 +475,32 @@ def test_tables_pair_seeds_and_check_the_issue_bars():
     assert "pisa K=4 ≥ flat_mean K=4 on every retrieval task at T=512: FAIL (var_track)" in text
     assert "within 1% of dense: +2.20% FAIL (per seed: +2.00% ± 1.41)" in text
     assert "| +2.00% ± 1.41 |" in qt.lm_table(res, "lm")
+
+
+def test_tables_take_some_arms_of_a_launch(tmp_path):
+    """``FILE:arm,arm`` pools only those arms of a file (rows, beam rows, runs), and the page
+    names the arms taken from each launch."""
+    qt = _tables()
+
+    def launch(name, arms):
+        rows = [{"task": "lm", "arm": arm, "K": None if arm == "dense" else 4, "seed": 0,
+                 "train_T": 512, "test_T": 512, "steps": 10, "schedule": "sparse",
+                 "metric": "loss", "value": 2.0} for arm in arms]
+        meta = {"command": f"launch {name}", "date": name, "config": {"train_T": 512},
+                "device": "cpu", "torch": "t", "triton": "tr",
+                "runs": [{"arm": arm, "name": f"{arm}_s0", "lr": 1e-3, "steps": 10,
+                          "target_steps": 10, "train_seconds": 1.0, "eval_seconds": 1.0,
+                          "status": "done"} for arm in arms]}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"meta": meta, "rows": rows, "beam_rows": [
+            dict(rows[-1], W=8)]}))
+        return str(path)
+    a, b = launch("a", ["dense", "nsa"]), launch("b", ["nsa"])
+    got = qt.read([f"{a}:dense", b])
+    assert [[r["arm"] for r in x["rows"]] for x in got] == [["dense"], ["nsa"]]
+    assert [len(x["beam_rows"]) for x in got] == [0, 1]
+    assert [r["arm"] for r in got[0]["meta"]["runs"]] == ["dense"]
+    pooled = qt.pool(got)
+    assert [m.get("arms") for m in pooled["meta"]["launches"]] == [["dense"], None]
+    text = qt.markdown(qt.Results(pooled), None)
+    assert "(a; arms taken: dense)" in text and "(b)" in text
