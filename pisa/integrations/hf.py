@@ -86,6 +86,15 @@ class PackedBatch:
     inv_q: torch.Tensor | None = None
     inv_k: torch.Tensor | None = None
 
+    def host_bounds(self) -> tuple[list[int], list[int]]:
+        """``cu_seqlens_q``, ``cu_seqlens_k`` as host lists, read once: the batch is handed to
+        every layer, and each dense layer of a hybrid model walks its sequences on the host."""
+        bounds = self.__dict__.get("_host_bounds")
+        if bounds is None:
+            bounds = (self.cu_seqlens_q.tolist(), self.cu_seqlens_k.tolist())
+            object.__setattr__(self, "_host_bounds", bounds)  # frozen: a cache, not a field
+        return bounds
+
 
 def _varlen_forward(query, key, value, packed: PackedBatch, attend, backend: str = "auto"):
     """``attend(q, k, v)`` of the flattened real tokens of ``query [B, HQ, Tq, D]``, ``key, value
@@ -204,10 +213,11 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling) -> 
 
 
 def _sdpa_seqs(packed: PackedBatch, scaling):
-    """``attend`` for ``_varlen_forward``: dense attention of each sequence alone (one host read
-    of the sequence bounds a layer; no mask across sequences)."""
+    """``attend`` for ``_varlen_forward``: dense attention of each sequence alone (the sequence
+    bounds read on the host once a forward, ``PackedBatch.host_bounds``; no mask across
+    sequences)."""
     def attend(q, k, v):
-        cu_q, cu_k = packed.cu_seqlens_q.tolist(), packed.cu_seqlens_k.tolist()
+        cu_q, cu_k = packed.host_bounds()
         outs = []
         for i in range(len(cu_q) - 1):
             if cu_q[i + 1] == cu_q[i]:  # a sequence without queries

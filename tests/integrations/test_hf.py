@@ -356,6 +356,33 @@ def test_dense_layers_of_a_padded_batch_equal_sdpa_on_the_real_tokens(rng, side)
     assert all(torch.isfinite(p.grad).all() for p in sparse.parameters() if p.grad is not None)
 
 
+def test_dense_layers_read_the_sequence_bounds_once_a_forward(rng, monkeypatch):
+    """Every dense layer of a padded batch walks its sequences on the host: the bounds are read
+    from the device once a forward (``PackedBatch.host_bounds``), not once a layer."""
+    _, sparse = _pair(layers=[])
+    assert sparse.config.num_hidden_layers > 1
+    reads, calls = [], []
+    tolist, host_bounds = torch.Tensor.tolist, pisa_hf.PackedBatch.host_bounds
+
+    def counted(self):
+        reads.append(self)
+        return tolist(self)
+
+    def spied(self):
+        calls.append(self)
+        return host_bounds(self)
+    ids, mask, position_ids = _padded(_docs(), "left")
+    monkeypatch.setattr(pisa_hf.PackedBatch, "host_bounds", spied)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    with torch.no_grad():
+        sparse(ids, attention_mask=mask, position_ids=position_ids)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    assert len(calls) == sparse.config.num_hidden_layers and len({id(c) for c in calls}) == 1
+    bounds = (calls[0].cu_seqlens_q, calls[0].cu_seqlens_k)
+    assert sum(any(r is b for b in bounds) for r in reads) == 2  # once each, not once a layer
+    assert calls[0].host_bounds() is calls[0].host_bounds()
+
+
 def test_hybrid_packed_batch_equals_documents_one_at_a_time(rng):
     """A packed row through a hybrid model: the dense layer attends each document alone too."""
     from transformers import DataCollatorWithFlattening
