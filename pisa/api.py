@@ -503,7 +503,7 @@ _STEP_CONFIGS: dict[tuple, SelectConfig] = {}
 def _step_config(q: torch.Tensor, backend: str, **knobs) -> SelectConfig:
     """``resolve_config(q, None, backend, **knobs)``, memoised on the knobs with their types (a
     bad knob still raises every call: only resolved configs are kept)."""
-    key = (backend, q.shape[-1], *((k, type(v), v) for k, v in knobs.items()))
+    key = (backend, q.shape[-1], tuple(knobs.items()), tuple(map(type, knobs.values())))
     try:
         cfg = _STEP_CONFIGS.get(key)
     except TypeError:  # an unhashable knob: resolve_config names it

@@ -54,8 +54,7 @@ def _decode(q, k_cache, v_cache, sums, cache_seqlens, mins, maxs, block_table, c
         cfg = _per_token(cfg)
     where = dict(mins=mins, maxs=maxs, block_table=block_table, cache_batch_idx=cache_batch_idx)
     if backend == "triton" and cfg.selector == "pyramid" and cfg.scorer in ("lse", "bound"):
-        from .triton import decode_triton
-        return decode_triton(q, k_cache, v_cache, sums, cache_seqlens, cfg, **where)
+        return _triton().decode_triton(q, k_cache, v_cache, sums, cache_seqlens, cfg, **where)
     from .torch_backend import decode_torch
     return decode_torch(q, k_cache, v_cache, sums, cache_seqlens, cfg, **where)
 
@@ -75,6 +74,14 @@ def _decode_op(q, k_cache, v_cache, sums, cache_seqlens, mins, maxs, block_table
 def _(q, *args, **fields):
     B, _, HQ, D = q.shape
     return q.new_empty(B, 1, HQ, D), q.new_empty(B, HQ, 1, dtype=torch.float32)
+
+
+@functools.cache
+def _triton():
+    """The Triton module, imported on first use (not with the package: Triton may be absent);
+    an import statement in the step would cost it a microsecond every call."""
+    from . import triton
+    return triton
 
 
 @functools.lru_cache(maxsize=256)
