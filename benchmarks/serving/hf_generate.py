@@ -124,7 +124,8 @@ def build_model(args, device: str, dtype: torch.dtype):
     """The random-weight Llama of the run on ``device`` in ``dtype``, dense (sdpa) attention,
     PISA knobs from the command line on its config."""
     knobs = {k: v for k, v in (("topk", args.topk), ("block_size", args.block_size),
-                               ("scorer", args.scorer)) if v is not None}
+                               ("branching", args.branching), ("scorer", args.scorer))
+             if v is not None}
     model = random_model("llama", vocab_size=args.vocab, num_layers=args.layers,
                          hidden_size=args.hidden, num_heads=args.heads,
                          num_kv_heads=args.kv_heads, head_dim=args.head_dim, seed=args.seed,
@@ -354,6 +355,9 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--topk", type=int, default=None, help="config.pisa_topk (default: pisa's)")
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--branching", type=int, default=None,
+                   help="config.pisa_branching: the prompt's pyramid and the cache's (decode "
+                        "walks half the levels at 4)")
     p.add_argument("--scorer", default=None)
     p.add_argument("--warmup-len", type=int, default=4096,
                    help="prompt of every arm's untimed first run (capped at the shortest length; "
