@@ -136,13 +136,6 @@ def build_model(args, device: str, dtype: torch.dtype):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def cache_keyword(model) -> str:
-    """The cache's keyword of this transformers' forward: ``cache`` (5.24) or
-    ``past_key_values`` (5.17)."""
-    params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def update_gets_kwargs() -> bool | None:
     """Whether this transformers' Llama attention hands its kwargs to ``cache.update`` (5.24
     does, 5.17 does not: then ``PisaHFCache`` finds its cache on the keys instead)."""
@@ -163,7 +156,7 @@ def run_generate(model, ids, arm: str, n_new: int, device: str, hook=None) -> di
     first token."""
     kw = {}
     if arm in ("pisa_cache", "pisa_static"):
-        kw[cache_keyword(model)] = pisa_hf.PisaHFCache(model.config, ids.shape[1] + n_new,
+        kw[pisa_hf.cache_keyword(model)] = pisa_hf.PisaHFCache(model.config, ids.shape[1] + n_new,
                                                        static=arm == "pisa_static")
     from transformers import StoppingCriteriaList
     clock = Clock(device, hook)

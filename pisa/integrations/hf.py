@@ -203,13 +203,18 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling) -> 
     """Dense attention of ``q [B, HQ, Tq, D]`` over ``k, v [B, HKV, Tk, D]`` (``Tq <= Tk``), the
     queries the last ``Tq`` positions (bottom-right causal), with no ``[Tq, Tk]`` mask: SDPA's
     ``is_causal`` for ``Tq == Tk``, none for one query, its lower-right causal bias between
-    (which the flash and efficient kernels take as it is). ``[B, HQ, Tq, D]``."""
+    (which the flash and efficient kernels take as it is). GQA through ``enable_gqa``, K / V
+    repeated per query head where no kernel of ``enable_gqa`` takes the call. ``[B, HQ, Tq, D]``."""
     Tq, Tk = q.shape[2], k.shape[2]
-    if k.shape[1] != q.shape[1]:  # GQA: the bias's kernels take equal head counts
-        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     bias = causal_lower_right(Tq, Tk) if 1 < Tq < Tk else None
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias,
-                                                            is_causal=1 < Tq == Tk, scale=scaling)
+    gqa = k.shape[1] != q.shape[1]
+    # the bias's kernels take equal head counts, as does the only CUDA kernel of fp32 (efficient:
+    # enable_gqa would fall back to the math kernel's [Tq, Tk] scores)
+    if gqa and (bias is not None or (q.is_cuda and q.dtype == torch.float32)):
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        gqa = False
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias, is_causal=1 < Tq == Tk, scale=scaling, enable_gqa=gqa)
 
 
 def _sdpa_seqs(packed: PackedBatch, scaling):

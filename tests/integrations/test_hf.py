@@ -593,3 +593,23 @@ def test_gpu_static_cache_generate_is_compiled_and_graphed():
     ref = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512))
     got = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512, static=True))
     assert torch.equal(got[0], ref[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_dense_layers_equal_sdpa_through_prefill_chunks_and_decode(dtype):
+    """A model whose layers all run dense (``pisa_layers=[]``) gives sdpa's logits on CUDA in
+    one prefill, a chunked prefill (SDPA's lower-right bias) and decode steps: GQA through
+    ``enable_gqa`` where a kernel takes it, repeated K / V elsewhere (fp32's kernel, the bias)."""
+    from transformers import DynamicCache
+    dense, sparse = (m.to("cuda", dtype) for m in _pair(layers=[]))
+    ids = torch.randint(2, 128, (2, 300), device="cuda")
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        ref = dense(ids).logits
+        torch.testing.assert_close(sparse(ids).logits, ref, **tol)
+        cache, key = DynamicCache(), pisa_hf.cache_keyword(sparse)
+        chunks = [sparse(ids[:, a:b], use_cache=True, **{key: cache}).logits
+                  for a, b in ((0, 200), (200, 280), (280, 299), (299, 300))]
+    torch.testing.assert_close(torch.cat(chunks, 1), ref, **tol)
