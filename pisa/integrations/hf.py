@@ -65,8 +65,29 @@ MODEL_KNOBS = ("layers",)
 
 def pisa_knobs(config) -> dict:
     """The ``pisa_attn`` keyword arguments of a model: ``config.pisa_<name>`` or the default."""
-    return {name: getattr(config, f"pisa_{name}", default)
+    get = _pisa_getter(config)
+    return {name: get(name, default)
             for name, default in PISA_DEFAULTS.items() if name not in MODEL_KNOBS}
+
+
+def _pisa_getter(config):
+    """``get(name, default)``: ``config.pisa_<name>``, else ``default``. Eager, the instance's own
+    attribute, else the class's: read past transformers' ``__getattribute__`` hooks, which cost
+    microseconds a name (most for a name the config lacks: an exception) where a decode step
+    reads every knob in every layer, and only ever redirect transformers' own names. Traced,
+    ``getattr`` (the compiler reads a config's attributes as constants, not its ``__dict__``)."""
+    if torch.compiler.is_compiling():
+        return lambda name, default: getattr(config, f"pisa_{name}", default)
+    attrs = object.__getattribute__(config, "__dict__")
+    known = _class_knobs(type(config))
+    return lambda name, default: attrs.get(f"pisa_{name}", known.get(f"pisa_{name}", default))
+
+
+@functools.cache
+def _class_knobs(cls) -> dict:
+    """The ``pisa_*`` attributes a config class (or a base) defines."""
+    return {k: v for base in reversed(cls.__mro__) for k, v in vars(base).items()
+            if k.startswith("pisa_")}
 
 
 @dataclass(frozen=True)
@@ -160,7 +181,7 @@ def pisa_layers_of(config) -> frozenset[int] | None:
     (``layer_idx``, in ``[0, num_hidden_layers)``) of the layers that run PISA, the others running
     exact dense attention, SDPA (hybrid models, as MoBA keeps some full-attention layers).
     ``TypeError`` / ``ValueError`` naming ``config.pisa_layers`` otherwise."""
-    layers = getattr(config, "pisa_layers", None)
+    layers = _pisa_getter(config)("layers", None)
     if layers is None:
         return None
     if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple, set, frozenset,

@@ -441,6 +441,26 @@ def test_pisa_layers_is_a_model_knob_not_a_pisa_attn_one():
     assert pisa_hf.pisa_layers_of(config) == {0}
 
 
+def test_knobs_are_the_configs_own_its_class_s_or_the_defaults():
+    """``pisa_knobs`` reads past transformers' attribute hooks: a knob set on the config (now,
+    not when first read), else one its class (or a base) defines, else pisa's default; the same
+    as ``getattr`` on a transformers config."""
+    _, sparse = _pair()
+    config = sparse.config
+    want = {name: getattr(config, f"pisa_{name}", default)
+            for name, default in pisa_hf.PISA_DEFAULTS.items() if name != "layers"}
+    assert pisa_hf.pisa_knobs(config) == want and want["topk"] == K
+    config.pisa_topk = K + 1
+    assert pisa_hf.pisa_knobs(config)["topk"] == K + 1
+    Base = type("Base", (), {"pisa_scorer": "lse"})
+    config = type("Config", (Base,), {"pisa_topk": 3})()
+    knobs = pisa_hf.pisa_knobs(config)
+    assert (knobs["topk"], knobs["scorer"], knobs["block_size"]) == (
+        3, "lse", pisa_hf.PISA_DEFAULTS["block_size"])
+    config.pisa_topk = 5
+    assert pisa_hf.pisa_knobs(config)["topk"] == 5
+
+
 def test_graph_decoder_steps_equal_greedy_generate_over_the_cache(rng):
     """``PisaGraphDecoder`` eager (the CPU form of its step): the tokens of greedy ``generate``
     over a ``PisaHFCache``, past K blocks, and again on a second call reusing its buffers;
