@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..pyramid import Pyramid
-from ..utils.config import check_geometry
+from ..utils.config import HAS_TRITON, check_geometry
 from ..utils.dispatch import use_op
 from ..utils.geometry import cdiv, compute_dtype, level_offsets, level_sizes
 
@@ -269,11 +269,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
 
     Does not advance ``cache_seqlens`` (the caller does). All indices are computed on the device
     from ``cache_seqlens``: no host sync and no branching on tensor values, so a decode step that
-    appends can be captured in a CUDA graph. On CPU it also checks that no sequence overflows
-    ``T_max``, that every page written is in the pool and every slot in the cache; on CUDA those
-    checks would cost a host sync, so an overflowing write, a ``-1`` (or out-of-range) page or
-    slot is left to the index kernels' device-side bounds asserts (as with FlashAttention's
-    cache: an unallocated page is sent out of range, never to the pool's last page).
+    appends can be captured in a CUDA graph. On CUDA a few new tokens (a decode step, a short
+    chunk) take one fused Triton launch (``kvcache_triton.append_triton``), a long run the torch
+    folds below. On CPU it also checks that no sequence overflows ``T_max``, that every page
+    written is in the pool and every slot in the cache; on CUDA those checks would cost a host
+    sync: the fused append drops such a token (the sequence's next decode step gives NaN rows),
+    the torch ops leave it to their device-side bounds asserts (an unallocated page is sent out
+    of range, never to the pool's last page).
 
     Under ``torch.compile`` it is the custom op ``torch.ops.pisa.write_kv`` (mutating the cache's
     tensors): the compiler traces none of its Python and no value is read, not even on CPU.
@@ -295,6 +297,13 @@ def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     T = k_cache.shape[1] if block_table is None else block_table.shape[1] * C
     offsets = level_offsets(T, C, branching)
     if L == 0:
+        return
+    n_levels = len(offsets) - 1
+    one_pass = n_levels * B * L * H * D <= _ONE_PASS_ELEMS
+    if one_pass and _fused(k_new, v_new, sums):  # a decode step's few keys: one launch
+        from .kvcache_triton import append_triton
+        append_triton(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, C, branching, n_levels,
+                      mins, maxs, block_table, cache_batch_idx)
         return
     pos = cache_seqlens.long()[:, None]  # [B, L]
     if L > 1:
@@ -326,10 +335,7 @@ def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     base = slot * N
     bounds = [] if mins is None else [(mins.view(S * N, H, D), "amin"),
                                       (maxs.view(S * N, H, D), "amax")]
-    n_levels = len(offsets) - 1
-    tables = None
-    if n_levels * B * L * H * D <= _ONE_PASS_ELEMS:
-        tables = _level_tables(offsets, C, branching, dev)
+    tables = _level_tables(offsets, C, branching, dev) if one_pass else None
     if tables is None:
         # in pieces: each folds into ~3 padded copies of itself (a 1M-token prompt at once would
         # take gigabytes); the pieces' partials add up in the cache like one run's
@@ -397,6 +403,13 @@ def _add_runs(flat: torch.Tensor, bounds: list, keys: torch.Tensor, first: torch
             parts = [_pad_fold(part, node % branching, branching, *fold)
                      for part, fold in zip(parts, folds)]
             node = node // branching
+
+
+def _fused(k_new: torch.Tensor, v_new: torch.Tensor, sums: torch.Tensor) -> bool:
+    """Whether ``write_kv`` appends with the fused Triton kernel (``kvcache_triton``): CUDA
+    tensors with Triton installed, fp32 sums (the bounds' atomics), head dims contiguous."""
+    return (sums.is_cuda and HAS_TRITON and sums.dtype == torch.float32
+            and k_new.stride(-1) == 1 and v_new.stride(-1) == 1)
 
 
 def _pad_fold(x: torch.Tensor, shift: torch.Tensor, group: int, fold: str,

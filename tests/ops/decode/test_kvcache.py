@@ -9,7 +9,7 @@ from pisa.ops.decode.kvcache import (append_kv, bounds_from_keys, check_cache, e
                                      node_counts, pyramid_from_sums, write_kv)
 from pisa.ops.pyramid import build_pyramid
 from pisa.ops.pyramid.torch_backend import build_pyramid_torch
-from pisa.ops.utils.geometry import compute_dtype, level_offsets
+from pisa.ops.utils.geometry import cdiv, compute_dtype, level_offsets
 
 
 def _empty_cache(B, T, H, D, C, g, dtype=torch.float64, device="cpu"):
@@ -27,13 +27,16 @@ def _rebuilt_sums(k_ref, seqlens, T, C, g):
     return pyr.means * pyr.counts[None, :, None, None]
 
 
-@pytest.fixture(params=["one_pass", "runs", "run_pieces"])
+@pytest.fixture(params=["one_pass", "runs", "run_pieces", "fused"])
 def write_path(request, monkeypatch):
     """``write_kv``'s ways to update the levels, each test run through all: one pass over all
-    levels (small appends, as tests' sizes are), the per-level dense folds of a long run, and
-    those folds in pieces of a few keys (as a long prompt's are)."""
+    levels (small appends, as tests' sizes are), the per-level dense folds of a long run, those
+    folds in pieces of a few keys (as a long prompt's are), and the fused Triton append of CUDA's
+    small appends (here under the interpreter, for fp32 sums)."""
     import pisa.ops.decode.kvcache as kvcache
-    if request.param != "one_pass":
+    if request.param == "fused":
+        monkeypatch.setattr(kvcache, "_fused", lambda k, v, sums: sums.dtype == torch.float32)
+    elif request.param != "one_pass":
         monkeypatch.setattr(kvcache, "_ONE_PASS_ELEMS", 0)
     if request.param == "run_pieces":
         monkeypatch.setattr(kvcache, "_RUN_ELEMS", 7 * 2 * 8)  # 7 keys of [H=2, D=8] a piece
@@ -336,3 +339,74 @@ def test_long_ragged_appends_equal_the_rebuilt_pyramid(device, rng):
     torch.testing.assert_close(sums.cpu().double(),
                                _rebuilt_sums(k_ref.double(), lens.cpu(), T, C, g),
                                rtol=1e-5, atol=1e-3)
+
+
+def _fused_and_torch(monkeypatch, *args, **kwargs):
+    """The cache tensors ``args[:3]`` and bounds after ``write_kv(*args, **kwargs)`` through the
+    fused Triton append (the interpreter on CPU) and through the torch ops, from the same
+    start."""
+    import pisa.ops.decode.kvcache as kvcache
+    out = []
+    for fused in (True, False):
+        monkeypatch.setattr(kvcache, "_fused", lambda k, v, sums, fused=fused: fused)
+        cache = [x.clone() for x in args[:3]]
+        bounds = {k: v.clone() for k, v in kwargs.items() if k in ("mins", "maxs")}
+        write_kv(*cache, *args[3:], **{**kwargs, **bounds})
+        out.append(cache + [bounds[k] for k in sorted(bounds)])
+    return out
+
+
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("form", ["contiguous", "slots", "paged"])
+def test_fused_append_equals_the_torch_path(form, L, rng, monkeypatch):
+    """The fused append (one program per new token and KV head, atomics into every ancestor)
+    writes what the torch ops write: K / V rows, sums (to fp32 rounding: the atomics add in
+    another order) and bounds exactly, through slots or a page table, new tokens of one call
+    sharing nodes (L > 1) and sequences at different lengths, g = 4 too."""
+    S, T, H, D, C, g = 3, 200, 2, 16, 8, 4 if L == 3 else 2
+    B = 2 if form != "contiguous" else S
+    k_cache, v_cache, sums, _ = _empty_cache(S, T, H, D, C, g, torch.float16)
+    sums.normal_()
+    mins, maxs = sums - 1, sums + 1
+    lens = torch.tensor([0, 71, 130][:B], dtype=torch.int32)
+    x, y = torch.randn(2, B, L, H, D).half()
+    kw = dict(mins=mins, maxs=maxs)
+    if form == "slots":
+        kw["cache_batch_idx"] = torch.tensor([2, 0], dtype=torch.int32)
+    if form == "paged":  # a pool of 60 pages of C rows; a shuffled table of T / C pages a row
+        k_cache, v_cache = (x.view(-1, C, H, D)[:60].clone() for x in (k_cache, v_cache))
+        table = torch.randperm(60)[:B * cdiv(T, C)].view(B, -1).to(torch.int32)
+        kw["block_table"] = table
+        sums, mins, maxs = sums[:B], mins[:B], maxs[:B]
+        kw.update(mins=mins, maxs=maxs)
+    fused, ref = _fused_and_torch(monkeypatch, k_cache, v_cache, sums, x, y, lens, C, g, **kw)
+    for i, (a, b) in enumerate(zip(fused, ref)):
+        if i == 2:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+        else:
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), i
+    assert not torch.equal(fused[2], sums) and not torch.equal(fused[3], maxs)
+
+
+def test_fused_append_drops_positions_slots_and_pages_out_of_range(rng, monkeypatch):
+    """A token past ``T_max``, of a slot outside the cache or whose page lies outside the pool is
+    not written (no device assert: the decode step's NaN rows tell such a sequence); the other
+    tokens of the call are."""
+    import pisa.ops.decode.kvcache as kvcache
+    monkeypatch.setattr(kvcache, "_fused", lambda k, v, sums: True)
+    S, T, H, D, C, g = 3, 64, 2, 16, 8, 2
+    k_cache, v_cache, sums, _ = _empty_cache(S, T, H, D, C, g, torch.float16)
+    x = torch.randn(S, 1, H, D).half()
+    lens = torch.tensor([T, 5, 9], dtype=torch.int32)  # sequence 0 is full
+    write_kv(k_cache, v_cache, sums, x, x, lens, C, g, cache_batch_idx=torch.tensor(
+        [0, 1, 7], dtype=torch.int32))  # slot 7 is not in the cache
+    assert torch.equal(k_cache[1, 5], x[1, 0]) and k_cache[1].isfinite().sum() == H * D
+    assert k_cache[0].isnan().all() and k_cache[2].isnan().all()
+    assert sums[0].abs().sum() == 0 and sums[2].abs().sum() == 0 and sums[1].abs().sum() > 0
+    pool = torch.full((4, C, H, D), float("nan"), dtype=torch.float16)
+    table = torch.tensor([[0, 1], [-1, 2], [3, 9]], dtype=torch.int32)  # -1 and 9: no page
+    sums = torch.zeros(S, level_offsets(2 * C, C, g)[-1], H, D)
+    write_kv(pool, pool.clone(), sums, x, x, torch.tensor([3, 2, C + 1], dtype=torch.int32), C, g,
+             block_table=table)
+    assert torch.equal(pool[0, 3], x[0, 0]) and pool.isfinite().sum() == H * D
+    assert sums[1:].abs().sum() == 0
