@@ -5,7 +5,8 @@ before the launch itself. Shape: B=1, HQ=64, HKV=4, D=128, C=64, bf16, a 64K-key
 topk=16 (config A).
 
 ``--hf``: one layer's step of transformers' decode over a ``PisaHFCache`` instead (the cache's
-``update``, which appends the token with its key bounds, then ``pisa_attention_forward``; a
+``update``, which appends the token with its key bounds (the fused append's launch, as on CUDA,
+where the tree has it), then ``pisa_attention_forward``; a
 Llama attention of 32 query / 4 KV heads of 64, the integration's default knobs, a 128K-key
 cache): the pisa side of a ``generate`` step, per layer (needs transformers).
 
@@ -106,6 +107,16 @@ def main() -> None:
         pstats.Stats("/tmp/decode_host.prof").sort_stats("cumtime").print_stats(25)
 
 
+def _fused_append() -> None:
+    """The cache append as on CUDA: the fused Triton kernel's launch (the binder) where the tree
+    has it (``kvcache._fused``), the torch ops before."""
+    import pisa.ops.decode.kvcache as kvcache
+    if hasattr(kvcache, "_fused"):
+        import pisa.ops.decode.kvcache_triton as kt
+        kt._append_kernel = _Binder(kt._append_kernel)
+        kvcache._fused = lambda k_new, v_new, sums: sums.dtype == torch.float32
+
+
 def _hf(args) -> None:
     """One decode step of one layer through ``pisa.integrations.hf`` (the ``--hf`` mode)."""
     torch.set_num_threads(1)  # the append's small CPU ops: no pool hand-offs
@@ -115,6 +126,7 @@ def _hf(args) -> None:
     for name in ("_decode_kernel", "_combine_kernel"):
         setattr(dec, name, _Binder(getattr(dec, name)))
     pisa.api.resolve_backend = lambda backend, q: "triton"
+    _fused_append()
     model = random_model("llama", vocab_size=64, num_layers=1, hidden_size=64, num_heads=32,
                          num_kv_heads=4, head_dim=64)
     attn = model.model.layers[0].self_attn
