@@ -228,8 +228,24 @@ def checks(res: Results) -> list[str]:
             gap, paired = 100 * (p / d - 1), res.paired_gap("lm", c, train_T)
             out.append(f"- {_label(c)} validation LM loss at T={train_T} within 1% of dense: "
                        f"{gap:+.2f}% {'PASS' if gap <= 1 else 'FAIL'} (per seed: "
-                       f"{paired[0]:+.2f}% ± {paired[1]:.2f})")
+                       f"{paired[0]:+.2f}% ± {paired[1]:.2f}); within 0.5% (issue 26): "
+                       f"{'PASS' if gap <= 0.5 else 'FAIL'}")
+        out += _against_nsa(res, c, train_T)
     return out
+
+
+def _against_nsa(res: Results, c, train_T: int) -> list[str]:
+    """Issue 26's peer bar for ``c``: at least NSA's (same K, trained from step 0) on LM loss at
+    the training length and on every retrieval task at every length tested."""
+    nsa = res.partner("nsa", c[1], "sparse")
+    if nsa is None or c[1] is None:
+        return []
+    worse = [f"lm@{train_T}"] if (res.mean("lm", c, train_T) or 0) > (
+        res.mean("lm", nsa, train_T) or float("inf")) else []
+    worse += [f"{t}@{T}" for t in RETRIEVAL for T in res.lengths if below(res, c, nsa, t, T)]
+    return [f"- {_label(c)} ≥ {_label(nsa)} on LM loss at T={train_T} and on every retrieval "
+            f"task at every length (issue 26): " + ("PASS" if not worse else
+                                                    "FAIL (" + ", ".join(worse) + ")")]
 
 
 def runs_table(meta: dict) -> str:

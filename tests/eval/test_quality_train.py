@@ -504,3 +504,26 @@ def test_tables_take_some_arms_of_a_launch(tmp_path):
     assert [m.get("arms") for m in pooled["meta"]["launches"]] == [["dense"], None]
     text = qt.markdown(qt.Results(pooled), None)
     assert "(a; arms taken: dense)" in text and "(b)" in text
+
+
+def test_tables_check_the_nsa_bar_on_lm_and_every_retrieval_cell():
+    """Issue 26's peer bar: a PISA arm at least NSA's on LM loss at the training length and on
+    every retrieval task at every length; the failing cells are named."""
+    qt = _tables()
+    values = {("dense", "lm", 512): 2.0, ("pisa", "lm", 512): 2.012, ("nsa", "lm", 512): 2.02,
+              ("dense", "needle_single", 512): 0.9, ("pisa", "needle_single", 512): 0.8,
+              ("nsa", "needle_single", 512): 0.7, ("pisa", "needle_single", 1024): 0.1,
+              ("nsa", "needle_single", 1024): 0.3}
+    rows = [{"task": task, "arm": arm, "K": None if arm == "dense" else 4, "seed": 0,
+             "train_T": 512, "test_T": T, "steps": 10, "schedule": "sparse",
+             "metric": "loss" if task == "lm" else "accuracy", "value": v}
+            for (arm, task, T), v in values.items()]
+    res = qt.Results({"meta": {"config": {"train_T": 512}}, "rows": rows})
+    text = "\n".join(qt.checks(res))
+    assert "pisa K=4 ≥ nsa K=4 on LM loss at T=512 and on every retrieval task at every " \
+           "length (issue 26): FAIL (needle_single@1024)" in text
+    assert "+0.60% PASS (per seed: +0.60% ± 0.00); within 0.5% (issue 26): FAIL" in text
+    rows = [dict(r, value=2.03) if (r["arm"], r["task"]) == ("pisa", "lm") else r for r in rows
+            if r["test_T"] == 512]
+    text = "\n".join(qt.checks(qt.Results({"meta": {"config": {"train_T": 512}}, "rows": rows})))
+    assert "(issue 26): FAIL (lm@512)" in text
