@@ -625,7 +625,7 @@ def test_gpu_dense_layers_equal_sdpa_through_prefill_chunks_and_decode(dtype):
     from transformers import DynamicCache
     dense, sparse = (m.to("cuda", dtype) for m in _pair(layers=[]))
     ids = torch.randint(2, 128, (2, 300), device="cuda")
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    tol = dict(rtol=5e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         ref = dense(ids).logits
         torch.testing.assert_close(sparse(ids).logits, ref, **tol)
