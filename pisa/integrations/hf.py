@@ -265,6 +265,28 @@ def _sdpa_forward(query, key, value, packed, scaling):
     return _causal_sdpa(query, key, value, scaling).transpose(1, 2), None
 
 
+def _sdpa_slots(query, key, value, seqlens, scaling) -> torch.Tensor:
+    """Dense attention of ``query [B, HQ, Tq, D]`` (the last ``Tq`` positions) over a static
+    cache's slots ``key, value [B, HKV, T_max, D]`` of which each sequence holds its first
+    ``seqlens[b]`` (an unpadded batch: all equal). Eager (the prompt's forward): the held keys, read
+    on the host once. Compiled (a decode step, one query): every slot under a ``[B, 1, 1, T_max]``
+    mask of the held ones, the GQA group folded into the query rows (SDPA's mask kernels take no
+    ``enable_gqa``). ``[B, Tq, HQ, D]``."""
+    B, HQ, Tq, D = query.shape
+    if not torch.compiler.is_compiling():
+        n = int(seqlens[0])
+        return _causal_sdpa(query, key[:, :, :n], value[:, :, :n], scaling).transpose(1, 2)
+    if Tq != 1:
+        raise ValueError("a compiled step over PisaHFCache(static=True) attends one new token a "
+                         f"sequence, got {Tq}")
+    HKV = key.shape[1]
+    held = torch.arange(key.shape[2], device=key.device) < seqlens[:, None].long()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(B, HKV, HQ // HKV, D), key, value, attn_mask=held[:, None, None, :],
+        scale=scaling)
+    return out.reshape(B, HQ, 1, D).transpose(1, 2)
+
+
 def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                            value: torch.Tensor, attention_mask: torch.Tensor | None,
                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
@@ -305,12 +327,14 @@ def pisa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if not getattr(module, "is_causal", True) or kwargs.get("sliding_window") is not None:
         raise ValueError("attn_implementation='pisa' supports full causal attention only, not "
                          "bidirectional or sliding-window layers")
-    if not _runs_pisa(module):  # config.pisa_layers: a dense layer of a hybrid model
-        return _sdpa_forward(query, key, value, packed, scaling)
-    knobs = pisa_knobs(module.config)
     cache = kwargs.get("pisa_cache")
     if cache is None:  # transformers that do not pass the attention's kwargs to the cache
         cache = getattr(key, _CACHE_ATTR, None)
+    if not _runs_pisa(module):  # config.pisa_layers: a dense layer of a hybrid model
+        if cache is not None and key.shape[2] == cache.max_seqlen:  # a static cache's slots
+            return _sdpa_slots(query, key, value, cache.cache_seqlens, scaling), None
+        return _sdpa_forward(query, key, value, packed, scaling)
+    knobs = pisa_knobs(module.config)
     if packed is not None:
         if cache is not None:
             raise ValueError("attn_implementation='pisa' does not support padded or packed "
@@ -542,10 +566,11 @@ class PisaHFCache(Cache):
             compiled step appends and attends through the custom ops ``torch.ops.pisa.write_kv``
             and ``torch.ops.pisa.decode_step`` with no host sync and no recompile per token.
             Its layers return every slot (``[B, HKV, max_cache_len, D]``, a fixed shape) and
-            count the tokens on the device; the capacity is then checked by the write's
-            device-side bounds assert (CUDA) or on the host (CPU, eager), and padding at the
-            eager prefill only. Not with ``config.pisa_layers`` (a dense layer would read every
-            slot).
+            count the tokens on the device; the capacity is then checked on the host on CPU
+            (eager) and not on CUDA (a token past it is not written, and its sequence's decode
+            step gives NaN rows), padding at the eager prefill only. A hybrid model's dense
+            layers (``config.pisa_layers``) attend the held slots: in a compiled step under a
+            ``[B, 1, 1, max_cache_len]`` mask.
 
     Pass it to ``generate(..., past_key_values=PisaHFCache(model.config, max_cache_len))`` (the
     keyword every transformers 5 release takes; 5.2x also names it ``cache``) or to a forward
@@ -558,9 +583,6 @@ class PisaHFCache(Cache):
             raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
         if not isinstance(static, bool):
             raise TypeError(f"static must be a bool, got {static!r}")
-        if static and pisa_layers_of(config) is not None:
-            raise ValueError("PisaHFCache(static=True) does not support config.pisa_layers (its "
-                             "dense layers would attend every slot): use static=False")
         knobs = pisa_knobs(config)
         bounds = knobs["scorer"] == "bound" and knobs["selector"] in ("pyramid", "auto")
         super().__init__(layers=[PisaCacheLayer(max_cache_len, knobs["block_size"],

@@ -545,14 +545,10 @@ def test_static_cache_generate_compiles_one_graph_equal_to_the_eager_cache(rng):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-def test_static_cache_refuses_hybrid_layers_padding_and_bad_arguments(rng):
+def test_static_cache_refuses_padding_and_bad_arguments(rng):
     _, sparse = _pair()
     with pytest.raises(TypeError, match="static must be a bool"):
         pisa_hf.PisaHFCache(sparse.config, 64, static=1)
-    sparse.config.pisa_layers = [0]
-    with pytest.raises(ValueError, match="pisa_layers"):
-        pisa_hf.PisaHFCache(sparse.config, 64, static=True)
-    sparse.config.pisa_layers = None
     ids = torch.randint(0, 128, (2, 20))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -562,6 +558,28 @@ def test_static_cache_refuses_hybrid_layers_padding_and_bad_arguments(rng):
         sparse(ids, **kw)  # the first chunk: the cache is empty, an int length
         with pytest.raises(ValueError, match="padded"):
             sparse(ids, attention_mask=torch.cat([mask, mask], 1), **kw)
+
+
+@pytest.mark.parametrize("layers", [[1], []])
+def test_static_cache_of_a_hybrid_model_compiles_one_graph_equal_to_the_eager_cache(rng, layers):
+    """A hybrid model (``config.pisa_layers``; ``[]``: every layer dense) over a static cache: its
+    dense layers attend the held slots (eager: the prompt; compiled: a masked step over every
+    slot), one graph for every token, the tokens and logits of the eager ``PisaHFCache``."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+    _, sparse = _pair(layers=layers)
+    prompt, new = torch.randint(0, 128, (2, FITS + 5)), FITS + 6
+    ref = _greedy(sparse, prompt, new, pisa_hf.PisaHFCache(sparse.config, 4 * FITS))
+    compiled = CompileConfig(backend="aot_eager", fullgraph=True)
+    compiled._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    for config in (None, compiled):
+        got = _greedy(sparse, prompt, new, pisa_hf.PisaHFCache(sparse.config, 4 * FITS,
+                                                               static=True), config)
+        assert torch.equal(got[0], ref[0])
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 def test_decode_ops_pass_opcheck(rng):
@@ -603,11 +621,14 @@ def test_gpu_graph_decoder_replays_the_eager_steps():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_static_cache_generate_is_compiled_and_graphed():
+@pytest.mark.parametrize("layers", [None, [1]])
+def test_gpu_static_cache_generate_is_compiled_and_graphed(layers):
     """On CUDA ``generate`` compiles a static cache's decode steps by default (inductor,
-    ``reduce-overhead``: CUDA graphs); the tokens are the eager ``PisaHFCache``'s (bf16)."""
+    ``reduce-overhead``: CUDA graphs); the tokens are the eager ``PisaHFCache``'s (bf16), a
+    hybrid model's too."""
     seed = int(torch.randint(0, 2**31, ()))
-    model = tiny_llama(seed=seed, attn_implementation="pisa", block_size=16, topk=4)
+    model = tiny_llama(seed=seed, attn_implementation="pisa", block_size=16, topk=4,
+                       layers=layers)
     model = model.to("cuda", torch.bfloat16)
     prompt = torch.randint(2, 128, (2, 200), device="cuda")
     ref = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512))
