@@ -84,17 +84,16 @@ def append_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tens
         return
     paged = block_table is not None
     T_max = block_table.shape[1] * block_size if paged else k_cache.shape[1]
-    S, N = sums.shape[:2]
     bound = mins is not None
-    lens = cache_seqlens
-    table = block_table if paged else lens  # unused pointers when contiguous / without slots
-    slots = cache_batch_idx if cache_batch_idx is not None else lens
+    # unused pointers: the table when contiguous, the slots without cache_batch_idx, the bounds
+    table = block_table if paged else cache_seqlens
+    slots = cache_batch_idx if cache_batch_idx is not None else cache_seqlens
     _append_kernel[(B * L, H)](
         k_new, v_new, k_cache, v_cache, sums, mins if bound else sums, maxs if bound else sums,
-        lens, slots, table, *k_new.stride()[:3], *v_new.stride()[:3],
+        cache_seqlens, slots, table, *k_new.stride()[:3], *v_new.stride()[:3],
         0 if paged else k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         0 if paged else v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         table.stride(0), sums.stride(0), sums.stride(1), sums.stride(2), L, T_max,
-        S, k_cache.shape[0], triton.cdiv(T_max, block_size),
+        sums.shape[0], k_cache.shape[0], triton.cdiv(T_max, block_size),
         n_levels, block_size, D=D, DP=triton.next_power_of_2(D), BRANCH=branching, BOUND=bound,
         PAGED=paged, SLOT_IDX=cache_batch_idx is not None, num_warps=1)
