@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..pyramid import Pyramid
-from ..utils.config import HAS_TRITON, check_geometry
+from ..utils.config import check_geometry, resolve_backend
 from ..utils.dispatch import use_op
 from ..utils.geometry import cdiv, compute_dtype, level_offsets, level_sizes
 
@@ -406,9 +406,10 @@ def _add_runs(flat: torch.Tensor, bounds: list, keys: torch.Tensor, first: torch
 
 
 def _fused(k_new: torch.Tensor, v_new: torch.Tensor, sums: torch.Tensor) -> bool:
-    """Whether ``write_kv`` appends with the fused Triton kernel (``kvcache_triton``): CUDA
-    tensors with Triton installed, fp32 sums (the bounds' atomics), head dims contiguous."""
-    return (sums.is_cuda and HAS_TRITON and sums.dtype == torch.float32
+    """Whether ``write_kv`` appends with the fused Triton kernel (``kvcache_triton``): where the
+    library's ``"auto"`` backend is Triton (CUDA tensors, Triton installed), for fp32 sums (the
+    bounds' atomics) and new rows with a contiguous head dim."""
+    return (resolve_backend("auto", sums) == "triton" and sums.dtype == torch.float32
             and k_new.stride(-1) == 1 and v_new.stride(-1) == 1)
 
 
