@@ -633,7 +633,29 @@ def test_gpu_static_cache_generate_is_compiled_and_graphed(layers):
     prompt = torch.randint(2, 128, (2, 200), device="cuda")
     ref = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512))
     got = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512, static=True))
-    assert torch.equal(got[0], ref[0])
+    if layers is None:  # the same kernels, eager or in a graph
+        assert torch.equal(got[0], ref[0])
+    else:  # the dense layer's compiled step attends every slot under a mask: other bf16 sums
+        _assert_greedy_close(got, ref, rtol=2e-2)
+
+
+def _assert_greedy_close(got, ref, rtol):
+    """Two greedy runs ``(sequences, logits)`` of one model whose attention sums in a different
+    order (bf16): the same prompt, logits within ``rtol`` of the reference's largest up to the
+    first token where they part, and there the reference's choice no further ahead of the other
+    run's than that tolerance (a near tie, not a wrong step)."""
+    (seq, logits), (seq_ref, logits_ref) = got, ref
+    n = logits.shape[1]
+    assert torch.equal(seq[:, :-n], seq_ref[:, :-n])
+    tol = rtol * float(logits_ref.float().abs().amax())
+    for b in range(seq.shape[0]):
+        new, new_ref = seq[b, -n:], seq_ref[b, -n:]
+        parted = (new != new_ref).nonzero()
+        i = int(parted[0]) if len(parted) else n - 1
+        torch.testing.assert_close(logits[b, :i + 1].float(), logits_ref[b, :i + 1].float(),
+                                   rtol=0, atol=tol)
+        row = logits_ref[b, i].float()
+        assert float(row[new_ref[i]] - row[new[i]]) <= 2 * tol, (b, i)
 
 
 @pytest.mark.gpu

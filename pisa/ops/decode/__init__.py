@@ -27,7 +27,7 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_batch_idx: torch.Tensor | None = None):
     """One decode step for inputs the caller checked (``pisa.PisaCache.prepare``: the cache's
     tensors by ``kvcache.check_cache``, ``q [B, 1, HQ, D]`` against them; ``cfg`` resolved; the
-    key bounds ``mins, maxs`` present for ``cfg.uses_bounds``): the fused kernel walks the
+    key bounds ``mins, maxs`` present for ``cfg.uses_bounds``): the Triton kernels walk the
     pyramid (LSE scores, or with the key bounds for ``scorer="bound"``; any ``beam_leaf``) on
     ``backend="triton"``; flat scans and the mean / meanvar ablations decode through the torch
     path. Either reads a paged cache through ``block_table`` and the slots of

@@ -1,4 +1,4 @@
-"""Fused Triton decode step: pyramid walk on the cache's key sums, exact leaf ranking and sparse
+"""Triton decode step: pyramid walk on the cache's key sums, exact leaf ranking and sparse
 attention over the selected blocks, for a batch of sequences of different lengths.
 
 Semantics are those of ``torch_backend.decode_torch``: the query of sequence ``b`` sits at position
@@ -7,11 +7,13 @@ prefill (``pisa_select`` + sparse attention) over the sequence's first ``t + 1``
 
 Design
 ------
-One launch per step, grid ``(B, HKV, SPLITS)``. Each program loads the ``G`` query heads of its
-GQA group as the rows of its tiles (padded to ``GP``) and, from ``cache_seqlens[b]`` read on the
-device, walks the pyramid of the cache (the geometry of ``T_max``: its level count and row offsets
-are fixed by the cache shape; above the sequence's own root only node 0 is active, forced, so the
-walk equals prefill's):
+Two launches per step (three with several splits), each over the grid ``(B, HKV, SPLITS)``:
+``_walk_kernel`` walks and ranks leaves, ``_attend_kernel`` merges the leaf ranking, forms the
+selection and attends over its split's share, ``_combine_kernel`` merges the splits. Each program
+loads the ``G`` query heads of its GQA group as the rows of its tiles (padded to ``GP``) and, from
+``cache_seqlens[b]`` read on the device, walks the pyramid of the cache (the geometry of
+``T_max``: its level count and row offsets are fixed by the cache shape; above the sequence's own
+root only node 0 is active, forced, so the walk equals prefill's):
 
 - internal levels, root to level 2: a level's free nodes (causal and not forced) never get fewer
   going down, and while they number at most the level's beam all are kept unscored. So the kernel
@@ -39,13 +41,19 @@ walk equals prefill's):
   ``+inf`` / ``-inf`` bounds of nodes past a sequence are never loaded.
 - leaf level: each kept or forced parent's ``g`` children are scored by the exact LSE over their
   keys (``utils.walk_triton.leaf_keys`` and ``leaf_scores``: one ``[g * C, D]`` load and one dot
-  per parent, the next parents' keys loading meanwhile); the best ``K - #forced`` free blocks
-  (``K`` with ``forced_in_budget=False``) join the sink, previous and current blocks.
+  per parent, the next parents' keys loading meanwhile). The parents are the longest chain of a
+  step, so the ``SPLITS`` walk programs of a (sequence, KV head) share them (program ``s`` every
+  ``SPLITS``-th): each repeats the walk (parallel, on idle SMs; its reads of the same rows mostly
+  hit L2) and writes the best ``TOP_W`` leaves it scored (all of them: ``TOP_W`` covers its
+  share) with its count of page misses (``tops [B, HKV, SPLITS, TOP_W + 1]`` int64,
+  ``_tops_row``).
+- selection: the best ``TOP_P`` of the programs' rows are the best of all leaves (each leaf is
+  scored by one program); the best ``K - #forced`` free blocks (``K`` with
+  ``forced_in_budget=False``) join the sink, previous and current blocks.
 - attention (flash-decoding): split ``s`` takes entries ``[s * KPS, (s + 1) * KPS)`` of that
-  list of selected blocks and runs an online softmax over their keys ``j <= t``. Every split
-  repeats the walk and the leaf ranking in parallel (their reads of the same rows mostly hit L2)
-  instead of paying a second launch and a round trip through memory. One split writes the final
-  ``o, lse``; several write fp32 partials that ``_combine_kernel`` merges by their LSE.
+  list of selected blocks and runs an online softmax over their keys ``j <= t``. One split
+  writes the final ``o, lse``; several write fp32 partials that ``_combine_kernel`` merges by
+  their LSE.
 
 Paged cache (``block_table``, ``PAGED``) and slots (``cache_batch_idx``, ``SLOT_IDX``; both
 constexprs): the walk reads only the sums, per slot; the leaf stage loads each scored parent's
@@ -57,6 +65,8 @@ is for allocation time).
 
 A step is a chain of dependent memory round trips (each ranked level's child sums depend on the
 level above); ``num_stages`` lets each loop load its next tiles while it scores the current one.
+The walk's result crosses to the attention through ``tops`` in global memory, a launch boundary
+instead of a grid-wide barrier (which would need every program resident at once).
 
 Nothing depends on tensor values on the host (no ``.item()``, allocation sizes from shapes only),
 so a step is capturable in a CUDA graph. A ``cache_seqlens`` value outside ``[0, T_max]`` gives NaN
@@ -100,7 +110,7 @@ _MAX_GROUP = 64  # query heads per KV head: the rows of every tile
 # "Triton tile minimum"); 32 rows were right there, and a decode step is bound by latency, not by
 # these tiny products.
 _MIN_ROWS = 32
-# Every split repeats the walk and the leaf ranking and attends to K / SPLITS blocks. On the H200
+# Every split repeats the walk, ranks its share of the leaves and attends to K / SPLITS blocks. On the H200
 # (config A, B=1, 1M context, before the level skip and the pipelining) 16 splits (one block each)
 # measured 0.132 ms, 8 splits 0.137 ms, 4 splits 0.141 ms: the walks run in parallel on idle SMs.
 _MAX_SPLITS = 16
@@ -131,8 +141,10 @@ class DecodeShape(NamedTuple):
     WP: int          # its register width
     W2: int          # beam at level 2 (``beam_leaf``)
     W2P: int         # its register width (== WP with a single beam)
-    TOP_P: int       # best leaf keys the leaf stage keeps (a power of two)
+    TOP_P: int       # best leaf keys the selection takes (a power of two)
+    TOP_W: int       # leaf keys a walk program passes on: its share's leaves, at most TOP_P
     KPS: int         # selected blocks a split attends
+    SPLITS_P: int    # programs a (sequence, KV head), padded to a power of two
 
 
 class DecodeModes(NamedTuple):
@@ -239,11 +251,17 @@ def _pages(p_btb, blk, m_blk, n_pages):
 @triton.jit
 def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kt, scale,
               WP: tl.constexpr, SHAPE: tl.constexpr, PAGED: tl.constexpr, STAGES: tl.constexpr):
-    """The leaf stage: exact LSE of the free children (``[1, cur - 2]``) of each of the ``n_rest``
-    kept level-2 nodes ``b_rest [WP]``, then of each new forced parent (sink, previous,
-    current); scores land in the candidate slots by index. ``STAGES - 1`` parents' keys are
-    loaded ahead of the one being scored (their pages, ``PAGED``, through ``p_btb``). Returns the
-    best ``TOP_P`` packed keys, best first, and how many leaves read had no page in the pool."""
+    """The leaf stage of walk program ``i_s`` of ``tl.num_programs(2)``: exact LSE of the free
+    children (``[1, cur - 2]``) of its share of the parents (every ``num_programs``-th of the
+    ``n_rest`` kept level-2 nodes ``b_rest [WP]`` followed by the new forced parents: sink,
+    previous, current); scores land in the candidate slots by index. ``STAGES - 1`` parents' keys
+    are loaded ahead of the one being scored (their pages, ``PAGED``, through ``p_btb``). Returns
+    the best ``TOP_W`` packed keys of the leaves it scored, best first, and how many leaves read
+    had no page in the pool.
+
+    The parents are spread over the programs because they are the longest chain of a step: one
+    program scoring all ``W + 3`` of them took most of a step's time at 1M
+    (``docs/results_decode.md``)."""
     C: tl.constexpr = SHAPE.C
     BRANCH: tl.constexpr = SHAPE.BRANCH
     NX: tl.constexpr = 2 * BRANCH * WP
@@ -252,8 +270,9 @@ def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kt, scale
     m_free = m_x & (o_x >= 1) & (o_x <= cur - 2)
     o_c = tl.arange(0, BRANCH)
     b_s = tl.zeros([NX], dtype=tl.float32)
+    m_done = tl.zeros([NX], dtype=tl.int1)  # the candidates this program scored
     n_out = tl.full([], 0, tl.int32)
-    for j in tl.range(0, n_rest + 3, num_stages=STAGES):
+    for j in tl.range(tl.program_id(2), n_rest + 3, tl.num_programs(2), num_stages=STAGES):
         par_f, new_f = forced_parents(j - n_rest, cur, cur, BRANCH, 0)
         kept = j < n_rest
         par = tl.where(kept, tl.sum(tl.where(o_w == j, b_rest, 0)), par_f)
@@ -269,30 +288,53 @@ def _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_btb, n_pages, s_kt, scale
         b_sj = tl.sum(leaf_scores(b_q, m_row, b_k, scale, 1, SHAPE.GP, C, C, 0),
                       axis=0)  # [BRANCH]
         m_hit = (o_x[:, None] == o_leaf[None, :]) & m_leaf[None, :]  # [NX, BRANCH]
-        b_s = tl.where(tl.max(m_hit.to(tl.int32), axis=1) > 0,
-                       tl.sum(tl.where(m_hit, b_sj[None, :], 0.), axis=1), b_s)
-    return tl.topk(tl.where(m_free, pack(b_s, o_x), KEY_NONE), SHAPE.TOP_P), n_out  # best first
+        m_new = tl.max(m_hit.to(tl.int32), axis=1) > 0
+        b_s = tl.where(m_new, tl.sum(tl.where(m_hit, b_sj[None, :], 0.), axis=1), b_s)
+        m_done |= m_new
+    b_key = tl.where(m_free & m_done, pack(b_s, o_x), KEY_NONE)
+    return tl.topk(b_key, SHAPE.TOP_W), n_out  # best first
+
+
+@triton.jit
+def _sequence(p_seqlens, p_slot, i_b, T_max, n_slots, C: tl.constexpr, SLOT_IDX: tl.constexpr):
+    """The query's position ``t`` (``-1`` for an empty sequence), its leaf ``cur``, the cache row
+    ``i_c`` (int64) of sequence ``i_b`` and whether its rows are NaN: a length outside
+    ``[0, T_max]`` (caller-owned lengths are not checked on the host: that would sync) or a slot
+    outside the cache (read as slot 0)."""
+    seqlen_in = tl.load(p_seqlens + i_b)
+    m_bad = (seqlen_in < 0) | (seqlen_in > T_max)
+    i_c = i_b
+    if SLOT_IDX:
+        i_c = tl.load(p_slot + i_b)
+        m_bad |= (i_c < 0) | (i_c >= n_slots)
+        i_c = tl.where(m_bad, 0, i_c)
+    t = tl.minimum(seqlen_in, T_max) - 1
+    return t, tl.maximum(t, 0) // C, i_c.to(tl.int64), m_bad
+
+
+@triton.jit
+def _tops_row(p_tops, i_b, i_h, i_s, TOP_W: tl.constexpr):
+    """Row ``i_s`` of ``tops [B, HKV, programs, TOP_W + 1]`` int64 (contiguous): a walk program's
+    best ``TOP_W`` packed leaf keys, then how many leaves it read had no page."""
+    row = (i_b * tl.num_programs(1) + i_h) * tl.num_programs(2) + i_s
+    return p_tops + row.to(tl.int64) * (TOP_W + 1)
 
 
 # lengths are runtime values: specialising on their divisibility by 16 recompiled every kernel at
 # each new sequence length (seconds, docs/design.md "Cold start"); batch strides are typed
 # 64-bit, as their values pass 2**31 from 256K tokens and a new argument type recompiles too
 @triton.jit(do_not_specialize=["T_max", "n_leaves", "n_walk", "n_pages", "n_slots"])
-def _decode_kernel(
-        p_q, p_k, p_v, p_summary, p_seqlens, p_table, p_slot, p_o, p_lse, p_idx,
-        T_max, n_leaves, n_walk, n_pages, n_slots, scale, scale_log2,
-        s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_vb: tl.int64, s_v, s_tb: tl.int64,
-        s_sb: tl.int64, s_s, s_ob: tl.int64, s_o, s_lb: tl.int64, s_l, s_ib: tl.int64, s_ih,
-        SHAPE: tl.constexpr, MODE: tl.constexpr, PICK: tl.constexpr, STAGES: tl.constexpr):
-    """Walk, leaf ranking and the attention of split ``i_s`` for sequence ``i_b``, KV head ``i_h``.
+def _walk_kernel(
+        p_q, p_k, p_summary, p_seqlens, p_table, p_slot, p_tops,
+        T_max, n_leaves, n_walk, n_pages, n_slots, scale,
+        s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_tb: tl.int64, s_sb: tl.int64, s_s,
+        SHAPE: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr):
+    """The walk of sequence ``i_b``, KV head ``i_h``, and the leaf ranking of program ``i_s``'s
+    share of the kept level-2 nodes: its best ``TOP_W`` leaves into ``p_tops`` (``_tops_row``).
 
-    36 parameters, past the 30 of ``utils.triton_utils``: one fused step reads ten tensors, each
-    with an int64 batch stride of its own beside its other strides (a tuple cannot hold an
-    int64-typed element), and seven runtime sizes that must not specialize; the constexprs are
-    four bundles. ``p_summary = (p_sums, p_mins, p_maxs)``: the cache's pyramid ``[slots,
-    N_total, HKV, D]`` fp32, one layout (strides ``s_sb``, ``s_s = (node, head)``); the bounds
-    are read with ``BOUND`` only. ``s_q``, ``s_k``, ``s_v``: (token, head) strides; ``s_o``,
-    ``s_l``: (head, split) strides of the outputs (partials with several splits).
+    ``p_summary = (p_sums, p_mins, p_maxs)``: the cache's pyramid ``[slots, N_total, HKV, D]``
+    fp32, one layout (strides ``s_sb``, ``s_s = (node, head)``); the bounds are read with
+    ``BOUND`` only. ``s_q``, ``s_k``: (token, head) strides.
 
     Levels are named by ``shift``: a node spans ``2 ** shift`` leaves (``LOG_BRANCH`` per level).
     The walk ranks the ``n_walk`` levels between the root and the leaves of the ``T_max``
@@ -304,47 +346,23 @@ def _decode_kernel(
     ``beam``) is one loop over every ranked level; otherwise level 2 is ranked after the loop,
     into ``[W2P]``. ``BOUND`` (``scorer="bound"``) scores internal nodes by their children's key
     bounds ``p_maxs`` / ``p_mins`` instead of their means.
-    The sequence's pyramid is row ``i_c`` of the summaries: its slot ``p_slot[i_b]`` with
-    ``SLOT_IDX``, else ``i_b``. Its block ``i`` is key rows ``i * C ..`` of row ``i_c`` of the
-    contiguous cache, or with ``PAGED`` rows ``p_table[i_b, i] * C ..`` of the pool (``s_kb =
-    s_vb = 0``; 32-bit row arithmetic: 64-bit block offsets made the step a quarter slower at 1M,
-    ``docs/results_decode.md``). A slot outside ``[0, n_slots)``, or a page read outside
-    ``[0, n_pages)``, gives NaN rows like a bad length (the slot, the page, read as 0).
-    Writes ``o`` rows (``p_o`` at split ``i_s``: the final output, or an fp32 partial) and their
-    natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending (``-1`` padded, as
-    ``PICK`` fills a row).
+    The sequence's pyramid is row ``i_c`` of the summaries (``_sequence``). Its block ``i`` is
+    key rows ``i * C ..`` of row ``i_c`` of the contiguous cache, or with ``PAGED`` rows
+    ``p_table[i_b, i] * C ..`` of the pool (``s_kb = 0``; 32-bit row arithmetic: 64-bit block
+    offsets made the step a quarter slower at 1M, ``docs/results_decode.md``).
     """
-    G: tl.constexpr = SHAPE.G
-    GP: tl.constexpr = SHAPE.GP
     D: tl.constexpr = SHAPE.D
-    C: tl.constexpr = SHAPE.C
     LOG_BRANCH: tl.constexpr = SHAPE.LOG_BRANCH
     W: tl.constexpr = SHAPE.W
     WP: tl.constexpr = SHAPE.WP
-    W2P: tl.constexpr = SHAPE.W2P
-    KPS: tl.constexpr = SHAPE.KPS
-    SLOTS_P: tl.constexpr = PICK.SLOTS_P
-    SPLIT_LEAF: tl.constexpr = (SHAPE.W2 != W) or (W2P != WP)
+    SPLIT_LEAF: tl.constexpr = (SHAPE.W2 != W) or (SHAPE.W2P != WP)
     p_sums, p_mins, p_maxs = p_summary
     s_qt, s_qh = s_q
     s_kt, s_kh = s_k
-    s_vt, s_vh = s_v
     s_sn, s_sh = s_s
     i_b, i_h, i_s = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, GP, 1, D, D)
-    seqlen_in = tl.load(p_seqlens + i_b)
-    # a length outside [0, T_max] (caller-owned lengths are not checked on the host: that would
-    # sync) gives NaN rows, not a clamped, finite answer; so does a slot outside the cache
-    m_bad = (seqlen_in < 0) | (seqlen_in > T_max)
-    i_c = i_b
-    if MODE.SLOT_IDX:
-        i_c = tl.load(p_slot + i_b)
-        m_bad |= (i_c < 0) | (i_c >= n_slots)
-        i_c = tl.where(m_bad, 0, i_c)
-    i_c = i_c.to(tl.int64)
-    seqlen = tl.minimum(seqlen_in, T_max)
-    t = seqlen - 1  # the query's position; -1 for an empty sequence (every key masked)
-    cur = tl.maximum(t, 0) // C  # 0 for an empty sequence too: no free node at any level
+    b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, SHAPE.G, SHAPE.GP, 1, D, D)
+    _, cur, i_c, _ = _sequence(p_seqlens, p_slot, i_b, T_max, n_slots, SHAPE.C, MODE.SLOT_IDX)
     p_kh = p_k + i_c * s_kb + i_h * s_kh
     p_tb = p_table + i_b.to(tl.int64) * s_tb
     if MODE.BOUND:  # the children's key maxs and mins, with the query rows split by sign
@@ -407,21 +425,64 @@ def _decode_kernel(
         # Level 2 with its own beam W2, kept in [W2P]: skipped, all its free nodes 1 .. n_rest;
         # ranked (shift == LOG_BRANCH, children the leaves: lo_c == 0), the best W2 of its free
         # candidates, all of them (n_leaf of them, best first) when they are at most W2.
-        b_leaf = 1 + tl.arange(0, W2P)
+        b_leaf = 1 + tl.arange(0, SHAPE.W2P)
         n_leaf = n_rest
         if n_skip < n_walk:
             o_x, m_x, b_s = _level_scores(b_qa, b_qb, m_row, b_rest, n_rest, cur, shift,
                                           p_sh + lo_c.to(tl.int64) * s_sn,
                                           p_lh + lo_c.to(tl.int64) * s_sn, s_sn, scale, SHAPE,
                                           MODE.BOUND, STAGES.CHILD)
-            b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), W2P)
+            b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), SHAPE.W2P)
             b_leaf = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
             n_leaf = tl.minimum(tl.sum(m_x.to(tl.int32)), SHAPE.W2)
         b_top, n_out = _leaf_top(b_q, m_row, b_leaf, n_leaf, cur, p_kh, p_tb, n_pages, s_kt,
-                                 scale, W2P, SHAPE, MODE.PAGED, STAGES.LEAF)
+                                 scale, SHAPE.W2P, SHAPE, MODE.PAGED, STAGES.LEAF)
     else:
         b_top, n_out = _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_tb, n_pages, s_kt,
                                  scale, WP, SHAPE, MODE.PAGED, STAGES.LEAF)
+    p_row = _tops_row(p_tops, i_b, i_h, i_s, SHAPE.TOP_W)
+    tl.store(p_row + tl.arange(0, SHAPE.TOP_W), b_top)
+    tl.store(p_row + SHAPE.TOP_W, n_out.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["T_max", "n_pages", "n_slots"])
+def _attend_kernel(
+        p_q, p_k, p_v, p_seqlens, p_table, p_slot, p_tops, p_o, p_lse, p_idx,
+        T_max, n_pages, n_slots, scale_log2,
+        s_qb: tl.int64, s_q, s_kb: tl.int64, s_k, s_vb: tl.int64, s_v, s_tb: tl.int64,
+        s_ob: tl.int64, s_o, s_lb: tl.int64, s_l, s_ib: tl.int64, s_ih,
+        SHAPE: tl.constexpr, MODE: tl.constexpr, PICK: tl.constexpr, STAGES: tl.constexpr):
+    """The selection of sequence ``i_b``, KV head ``i_h`` (the best leaves of every walk
+    program's ``p_tops`` row, with the forced blocks) and the attention of split ``i_s`` over its
+    share of it. Writes ``o`` rows (``p_o`` at split ``i_s``: the final output, or an fp32
+    partial) and their natural-log LSE, and, with ``WRITE_IDX``, the selected blocks ascending
+    (``-1`` padded, as ``PICK`` fills a row). NaN rows for a bad length or slot (``_sequence``)
+    and where a leaf the walk read or a selected block has no page in ``[0, n_pages)``.
+    ``s_q``, ``s_k``, ``s_v``: (token, head) strides; ``s_o``, ``s_l``: (head, split) strides of
+    the outputs."""
+    G: tl.constexpr = SHAPE.G
+    D: tl.constexpr = SHAPE.D
+    C: tl.constexpr = SHAPE.C
+    TOP_W: tl.constexpr = SHAPE.TOP_W
+    KPS: tl.constexpr = SHAPE.KPS
+    SLOTS_P: tl.constexpr = PICK.SLOTS_P
+    s_qt, s_qh = s_q
+    s_kt, s_kh = s_k
+    s_vt, s_vh = s_v
+    i_b, i_h, i_s = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, SHAPE.GP, 1, D, D)
+    t, cur, i_c, m_bad = _sequence(p_seqlens, p_slot, i_b, T_max, n_slots, C, MODE.SLOT_IDX)
+    p_kh = p_k + i_c * s_kb + i_h * s_kh
+    p_tb = p_table + i_b.to(tl.int64) * s_tb
+
+    # The walk programs' best leaves, merged: every program's keys are its own leaves' (each
+    # leaf scored by one program), so the best TOP_P of all are the best of their union.
+    o_p = tl.arange(0, SHAPE.SPLITS_P)
+    m_p = o_p < tl.num_programs(2)
+    p_row = _tops_row(p_tops, i_b, i_h, 0, TOP_W) + o_p[:, None] * (TOP_W + 1)
+    b_keys = tl.load(p_row + tl.arange(0, TOP_W)[None, :], mask=m_p[:, None], other=KEY_NONE)
+    b_top = tl.topk(tl.reshape(b_keys, [SHAPE.SPLITS_P * TOP_W]), SHAPE.TOP_P)
+    n_out = tl.sum(tl.load(p_row + TOP_W, mask=m_p[:, None], other=0))
 
     # The selected blocks, ascending; at most SLOTS entries are used.
     b_row, _ = selection_row(tl.full([1], 0, tl.int32) + cur, b_top[None, :],
@@ -441,9 +502,9 @@ def _decode_kernel(
         b_att = tl.where(m_out, -1, b_sel)  # a block without a page is not read (NaN row)
     p_vh = p_v + i_c * s_vb + i_h * s_vh
     o_t = tl.arange(0, C)
-    b_m = tl.full([GP], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([GP], dtype=tl.float32)
-    b_acc = tl.zeros([GP, D], dtype=tl.float32)
+    b_m = tl.full([SHAPE.GP], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([SHAPE.GP], dtype=tl.float32)
+    b_acc = tl.zeros([SHAPE.GP, D], dtype=tl.float32)
     for j in tl.range(0, KPS, num_stages=STAGES.ATTN):
         m_j = o_s == i_s * KPS + j
         blk = tl.sum(tl.where(m_j, b_att + 1, 0)) - 1
@@ -457,7 +518,7 @@ def _decode_kernel(
         b_z = tl.where(m_key[None, :], dot_nt(b_q, b_k, F32_PREC) * scale_log2, float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_z, b_v, b_m, b_l, b_acc, F32_PREC)
 
-    o_head = i_h * G + tl.arange(0, GP)
+    o_head = i_h * G + tl.arange(0, SHAPE.GP)
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
     b_o = tl.where(m_bad, float("nan"), b_o)
     b_lse = tl.where(m_bad, float("nan"), b_lse)
@@ -586,7 +647,9 @@ class _Plan(NamedTuple):
     HKV: int
     splits: int
     splits_p: int
-    args: tuple  # ``_decode_kernel``'s arguments after its ten pointers
+    tops: int           # the walk's row per program: TOP_W leaf keys and a page-miss count
+    walk_args: tuple    # ``_walk_kernel``'s arguments after its seven pointers
+    attend_args: tuple  # ``_attend_kernel``'s after its ten
     num_warps: int
     num_stages: int
 
@@ -623,21 +686,30 @@ def _plan(q, k_cache, v_cache, sums, table, cfg: SelectConfig, paged: bool, slot
     # contiguous across its pages (check_cache), so its rows are s_kt apart too
     k_strides = (0 if paged else k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     v_strides = (0 if paged else v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    args = (
-        T_max, n_leaves, max(n_levels - 2, 0), k_cache.shape[0], sums.shape[0],
-        cfg.scale, cfg.scale * LOG2E, q.stride(0), q.stride()[1:3], k_strides[0], k_strides[1:],
-        v_strides[0], v_strides[1:], table.stride(0), sums.stride(0), sums.stride()[1:3],
-        o_strides[0], o_strides[1:], l_strides[0], l_strides[1:], i_strides[0], i_strides[1],
-        DecodeShape(G, max(pow2(G), _MIN_ROWS), D, C, C.bit_length() - 1, branching,
-                    branching.bit_length() - 1, W, WP, W2, W2P,
-                    min(2 * branching * W2P, pow2(cfg.topk)), kps),
-        DecodeModes(bound, paged, slot_idx, write_idx), pick_of(cfg),
-        # tiles: a level's candidates' fp32 child sums (maxs and mins: two), a parent's leaf
-        # keys, a block's K and V
-        DecodeStages(_stages(stages, 2 * branching * WP * D * 4 * (2 if bound else 1), branching),
-                     _stages(stages, branching * C * D * es, W2P + 3),
-                     _stages(stages, 2 * C * D * es, kps)))
-    return _Plan(B, HQ, D, HKV, splits, pow2(splits), args, num_warps or _NUM_WARPS, stages)
+    top_p = min(2 * branching * W2P, pow2(cfg.topk))
+    # a walk program scores at most cdiv(W2P + 3, splits) parents' leaves: it passes on no more
+    # keys (the merge sorts splits x TOP_W of them), and the splits pass at least TOP_P
+    top_w = min(top_p, max(pow2(cdiv(W2P + 3, splits) * branching), top_p // pow2(splits)))
+    shape = DecodeShape(G, max(pow2(G), _MIN_ROWS), D, C, C.bit_length() - 1, branching,
+                        branching.bit_length() - 1, W, WP, W2, W2P, top_p, top_w, kps,
+                        pow2(splits))
+    modes = DecodeModes(bound, paged, slot_idx, write_idx)
+    # tiles: a level's candidates' fp32 child sums (maxs and mins: two), a parent's leaf keys (a
+    # program scores every splits-th of the W2P + 3 parents), a block's K and V
+    pipes = DecodeStages(
+        _stages(stages, 2 * branching * WP * D * 4 * (2 if bound else 1), branching),
+        _stages(stages, branching * C * D * es, cdiv(W2P + 3, splits)),
+        _stages(stages, 2 * C * D * es, kps))
+    q_strides = (q.stride(0), q.stride()[1:3])
+    walk_args = (T_max, n_leaves, max(n_levels - 2, 0), k_cache.shape[0], sums.shape[0],
+                 cfg.scale, *q_strides, k_strides[0], k_strides[1:], table.stride(0),
+                 sums.stride(0), sums.stride()[1:3], shape, modes, pipes)
+    attend_args = (T_max, k_cache.shape[0], sums.shape[0], cfg.scale * LOG2E, *q_strides,
+                   k_strides[0], k_strides[1:], v_strides[0], v_strides[1:], table.stride(0),
+                   o_strides[0], o_strides[1:], l_strides[0], l_strides[1:], i_strides[0],
+                   i_strides[1], shape, modes, pick_of(cfg), pipes)
+    return _Plan(B, HQ, D, HKV, splits, pow2(splits), top_w + 1, walk_args, attend_args,
+                 num_warps or _NUM_WARPS, stages)
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -647,7 +719,7 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_batch_idx: torch.Tensor | None = None,
                   num_splits: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, return_block_idx: bool = False):
-    """One decode step (selection and attention) with one fused Triton kernel (inputs checked by
+    """One decode step (selection and attention) with Triton kernels (inputs checked by
     the caller: ``pisa.PisaCache.prepare``; the kernel's own limits are checked here).
 
     Arguments:
@@ -734,9 +806,14 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if B == 0:
         return (o, lse, block_idx) if return_block_idx else (o, lse)
     slot_idx = cache_batch_idx if cache_batch_idx is not None else cache_seqlens  # unused
-    _decode_kernel[(B, HKV, splits)](
-        q, k_cache, v_cache, (sums, mins, maxs), cache_seqlens, table, slot_idx, out, out_lse,
-        block_idx, *plan.args, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    # every entry is written by the walk (its programs' best leaves, then their page misses)
+    tops = torch.empty(B, HKV, splits, plan.tops, dtype=torch.int64, device=dev)
+    _walk_kernel[(B, HKV, splits)](
+        q, k_cache, (sums, mins, maxs), cache_seqlens, table, slot_idx, tops, *plan.walk_args,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    _attend_kernel[(B, HKV, splits)](
+        q, k_cache, v_cache, cache_seqlens, table, slot_idx, tops, out, out_lse, block_idx,
+        *plan.attend_args, num_warps=plan.num_warps, num_stages=plan.num_stages)
     if splits > 1:
         _combine_kernel[(B, HQ)](out, out_lse, o, lse, HQ, o.stride(0), o.stride(2),
                                  SPLITS=splits, SPLITS_P=plan.splits_p, D=D, num_warps=4)
