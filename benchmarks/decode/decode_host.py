@@ -12,7 +12,7 @@ cache): the pisa side of a ``generate`` step, per layer (needs transformers).
 
 CPU time of the thread (``time.thread_time``: the box is shared), best of 15 rounds.
 Run from a tree's root: ``PYTHONPATH=$PWD python3 benchmarks/decode/decode_host.py [--profile]``; works on
-trees before the decode refactor too (it only reaches ``pisa.ops.decode.triton``'s two kernels).
+trees before the decode refactor too (it only reaches ``pisa.ops.decode.triton``'s kernels).
 """
 from __future__ import annotations
 
@@ -79,9 +79,7 @@ def main() -> None:
     cache.cache_seqlens.fill_(args.seqlen - 1)
     lens = torch.full((B,), args.seqlen - 1, dtype=torch.int32)
     q = torch.randn(B, 1, HQ, D, dtype=torch.bfloat16)
-    binders = {name: _Binder(getattr(dec, name)) for name in ("_decode_kernel", "_combine_kernel")}
-    for name, b in binders.items():
-        setattr(dec, name, b)
+    binders = _stub_decode()
     pisa.api.resolve_backend = lambda backend, q: "triton"  # a CUDA q resolves to triton
 
     def step():
@@ -89,7 +87,7 @@ def main() -> None:
 
     def decode_args():  # the binder on the kernel's real argument list, alone
         captured = {}
-        b = binders["_decode_kernel"]
+        b = binders["_walk_kernel" if "_walk_kernel" in binders else "_decode_kernel"]  # a tree's first
         bind = b.run
         b.run = lambda *a, **k: captured.setdefault("x", (a, k))
         step()
@@ -105,6 +103,16 @@ def main() -> None:
         import pstats
         cProfile.runctx("for _ in range(300): step()", globals(), locals(), "/tmp/decode_host.prof")
         pstats.Stats("/tmp/decode_host.prof").sort_stats("cumtime").print_stats(25)
+
+
+def _stub_decode() -> dict:
+    """The decode module's Triton functions replaced by their binders (its kernels, whatever a
+    tree names them; its ``@triton.jit`` helpers are never launched) and returned by name."""
+    from triton.runtime.jit import JITFunction
+    binders = {name: _Binder(f) for name, f in vars(dec).items() if isinstance(f, JITFunction)}
+    for name, b in binders.items():
+        setattr(dec, name, b)
+    return binders
 
 
 def _fused_append() -> None:
@@ -123,8 +131,7 @@ def _hf(args) -> None:
     import pisa.integrations.hf as hf
     from pisa.eval.model import random_model
 
-    for name in ("_decode_kernel", "_combine_kernel"):
-        setattr(dec, name, _Binder(getattr(dec, name)))
+    _stub_decode()
     pisa.api.resolve_backend = lambda backend, q: "triton"
     _fused_append()
     model = random_model("llama", vocab_size=64, num_layers=1, hidden_size=64, num_heads=32,

@@ -9,8 +9,8 @@ plain attention over ``N = Tk // C`` nodes whose visibility is causal at node gr
 Forward and dQ: one program per (``BM`` consecutive queries, batch x query head) loops over the
 node tiles up to the last one its last query sees (online softmax in base 2; the backward
 recomputes the probabilities from the saved LSE, FlashAttention style). dK/dV: one program per
-(``BN`` nodes, batch x KV head) loops over the group's query heads and the queries from the first
-that sees its first node. Saved memory is O(N): inputs, output and LSE.
+(``BN`` nodes, batch x query head) loops over the queries from the first that sees its first
+node; the group's shares are summed by torch. Saved memory is O(N): inputs, output and LSE.
 
 ``PISA_TRITON_POISON=1`` allocates outputs filled with NaN (``utils.op.empty``; tests prove every
 element is written).
@@ -158,42 +158,47 @@ def _coarse_dq_kernel(p_q, p_kc, p_vc, p_do, p_lse, p_delta, p_dq, s_qb, s_q, s_
 
 @triton.jit
 def _coarse_dkv_kernel(p_q, p_kc, p_vc, p_do, p_lse, p_delta, p_dkc, p_dvc, s_qb, s_q, s_kb,
-                       s_k, Tq, N, t_first, C, scale, HQ, HKV, SHAPE: tl.constexpr):
-    G: tl.constexpr = SHAPE.G
+                       s_k, s_gb, s_g, Tq, N, t_first, C, scale, HQ, SHAPE: tl.constexpr):
+    """dK/dV of nodes ``i_n * BN ..`` from query head ``i_hq`` alone: its share, written to the
+    head's rows of ``p_dkc, p_dvc [B, N, HQ, D]`` fp32 (strides ``s_gb``, ``s_g``), which the
+    launcher sums over each KV head's group. A program per (node tile, query head): one per
+    (node tile, KV head) looping over the group left most SMs idle (32 programs at 32K tokens
+    with HKV = 4) and took 14x the forward's time on the H200 (16.4 against 1.2 ms,
+    ``benchmarks/training/train_h200.py``'s ``compressed`` arm)."""
     BM: tl.constexpr = SHAPE.BM
     BN: tl.constexpr = SHAPE.BN
     D: tl.constexpr = SHAPE.D
     DP: tl.constexpr = SHAPE.DP
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HKV, i_bh % HKV
+    i_b, i_hq = i_bh // HQ, i_bh % HQ
     s_qt, s_qh = s_q
     s_kt, s_kh = s_k
+    s_gt, s_gh = s_g
     o_node = i_n * BN + tl.arange(0, BN)
     m_node = o_node < N
-    o_kh = i_b.to(tl.int64) * s_kb + i_h * s_kh  # kc, vc, dkc and dvc share kc's layout
+    o_kh = i_b.to(tl.int64) * s_kb + (i_hq // SHAPE.G) * s_kh  # kc and vc share kc's layout
     b_k = _rows(p_kc + o_kh, o_node, m_node, s_kt, D, DP)
     b_v = _rows(p_vc + o_kh, o_node, m_node, s_kt, D, DP)
     b_dk = tl.zeros([BN, DP], tl.float32)
     b_dv = tl.zeros([BN, DP], tl.float32)
+    o_qh = i_b.to(tl.int64) * s_qb + i_hq * s_qh
     # the first query that sees the tile's first node: (i_n * BN + 1) * C - 1 <= t_first + t
     t_lo = tl.maximum((i_n * BN + 1) * C - 1 - t_first, 0)
-    for g in range(G):
-        i_hq = i_h * G + g
-        o_qh = i_b.to(tl.int64) * s_qb + i_hq * s_qh
-        for t0 in range(t_lo // BM * BM, Tq, BM):
-            o_tok = t0 + tl.arange(0, BM)
-            m_tok = o_tok < Tq
-            b_q = _rows(p_q + o_qh, o_tok, m_tok, s_qt, D, DP)
-            b_do = _rows(p_do + o_qh, o_tok, m_tok, s_qt, D, DP)
-            b_lse, b_delta = _lse_log2(p_lse, p_delta, i_b * HQ + i_hq, o_tok, m_tok, Tq)
-            b_s = dot_nt(b_q, b_k, F32_PREC) * (scale * LOG2E_K)
-            m_s = _visible(o_tok, o_node, t_first, C) & m_tok[:, None]
-            b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.0)
-            b_dv += dot_pv(tl.trans(b_p), b_do, F32_PREC)
-            b_ds = b_p * (dot_nt(b_do, b_v, F32_PREC) - b_delta[:, None])
-            b_dk += dot_pv(tl.trans(b_ds), b_q, F32_PREC)
-    _store(p_dkc + o_kh, o_node, m_node, s_kt, b_dk * scale, D, DP)
-    _store(p_dvc + o_kh, o_node, m_node, s_kt, b_dv, D, DP)
+    for t0 in range(t_lo // BM * BM, Tq, BM):
+        o_tok = t0 + tl.arange(0, BM)
+        m_tok = o_tok < Tq
+        b_q = _rows(p_q + o_qh, o_tok, m_tok, s_qt, D, DP)
+        b_do = _rows(p_do + o_qh, o_tok, m_tok, s_qt, D, DP)
+        b_lse, b_delta = _lse_log2(p_lse, p_delta, i_bh, o_tok, m_tok, Tq)
+        b_s = dot_nt(b_q, b_k, F32_PREC) * (scale * LOG2E_K)
+        m_s = _visible(o_tok, o_node, t_first, C) & m_tok[:, None]
+        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.0)
+        b_dv += dot_pv(tl.trans(b_p), b_do, F32_PREC)
+        b_ds = b_p * (dot_nt(b_do, b_v, F32_PREC) - b_delta[:, None])
+        b_dk += dot_pv(tl.trans(b_ds), b_q, F32_PREC)
+    o_gh = i_b.to(tl.int64) * s_gb + i_hq * s_gh
+    _store(p_dkc + o_gh, o_node, m_node, s_gt, b_dk * scale, D, DP)
+    _store(p_dvc + o_gh, o_node, m_node, s_gt, b_dv, D, DP)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,14 +239,19 @@ def coarse_bwd_triton(do, q, kc, vc, o, lse, t_first: int, block_size: int, scal
     shape = _shape(q, HKV)
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # [B, HQ, Tq]
     dq = empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
-    dkc = empty(B, N, HKV, D, dtype=torch.float32, device=q.device)
-    dvc = empty(B, N, HKV, D, dtype=torch.float32, device=q.device)
-    args = (*_strides(q), *_strides(kc), Tq, N, t_first, block_size, scale, HQ)
-    _coarse_dq_kernel[(cdiv(Tq, shape.BM), B * HQ)](q, kc, vc, do, lse, delta, dq, *args, shape)
+    # each query head's share of its KV head's node gradients, summed over the group below:
+    # [B, N, HQ, D] fp32, O(N) (nodes, not queries x nodes)
+    dkc = empty(B, N, HQ, D, dtype=torch.float32, device=q.device)
+    dvc = empty(B, N, HQ, D, dtype=torch.float32, device=q.device)
+    args = (*_strides(q), *_strides(kc))
+    sizes = (Tq, N, t_first, block_size, scale, HQ, shape)
+    _coarse_dq_kernel[(cdiv(Tq, shape.BM), B * HQ)](q, kc, vc, do, lse, delta, dq, *args,
+                                                    *sizes)
     if N:
-        _coarse_dkv_kernel[(cdiv(N, shape.BN), B * HKV)](q, kc, vc, do, lse, delta, dkc, dvc,
-                                                         *args, HKV, shape)
-    return dq, dkc.to(kc.dtype), dvc.to(vc.dtype)
+        _coarse_dkv_kernel[(cdiv(N, shape.BN), B * HQ)](q, kc, vc, do, lse, delta, dkc, dvc,
+                                                        *args, *_strides(dkc), *sizes)
+    group = (B, N, HKV, HQ // HKV, D)
+    return dq, dkc.view(group).sum(3).to(kc.dtype), dvc.view(group).sum(3).to(vc.dtype)
 
 
 def coarse_attn_triton(q, k, v, block_size: int, scale: float):

@@ -355,7 +355,9 @@ def _walk_kernel(
     LOG_BRANCH: tl.constexpr = SHAPE.LOG_BRANCH
     W: tl.constexpr = SHAPE.W
     WP: tl.constexpr = SHAPE.WP
-    SPLIT_LEAF: tl.constexpr = (SHAPE.W2 != W) or (SHAPE.W2P != WP)
+    W2P: tl.constexpr = SHAPE.W2P
+    TOP_W: tl.constexpr = SHAPE.TOP_W
+    SPLIT_LEAF: tl.constexpr = (SHAPE.W2 != W) or (W2P != WP)
     p_sums, p_mins, p_maxs = p_summary
     s_qt, s_qh = s_q
     s_kt, s_kh = s_k
@@ -425,24 +427,24 @@ def _walk_kernel(
         # Level 2 with its own beam W2, kept in [W2P]: skipped, all its free nodes 1 .. n_rest;
         # ranked (shift == LOG_BRANCH, children the leaves: lo_c == 0), the best W2 of its free
         # candidates, all of them (n_leaf of them, best first) when they are at most W2.
-        b_leaf = 1 + tl.arange(0, SHAPE.W2P)
+        b_leaf = 1 + tl.arange(0, W2P)
         n_leaf = n_rest
         if n_skip < n_walk:
             o_x, m_x, b_s = _level_scores(b_qa, b_qb, m_row, b_rest, n_rest, cur, shift,
                                           p_sh + lo_c.to(tl.int64) * s_sn,
                                           p_lh + lo_c.to(tl.int64) * s_sn, s_sn, scale, SHAPE,
                                           MODE.BOUND, STAGES.CHILD)
-            b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), SHAPE.W2P)
+            b_top = tl.topk(tl.where(m_x, pack(b_s, o_x), KEY_NONE), W2P)
             b_leaf = tl.where(b_top != KEY_NONE, unpack_idx(b_top), 0)
             n_leaf = tl.minimum(tl.sum(m_x.to(tl.int32)), SHAPE.W2)
         b_top, n_out = _leaf_top(b_q, m_row, b_leaf, n_leaf, cur, p_kh, p_tb, n_pages, s_kt,
-                                 scale, SHAPE.W2P, SHAPE, MODE.PAGED, STAGES.LEAF)
+                                 scale, W2P, SHAPE, MODE.PAGED, STAGES.LEAF)
     else:
         b_top, n_out = _leaf_top(b_q, m_row, b_rest, n_rest, cur, p_kh, p_tb, n_pages, s_kt,
                                  scale, WP, SHAPE, MODE.PAGED, STAGES.LEAF)
-    p_row = _tops_row(p_tops, i_b, i_h, i_s, SHAPE.TOP_W)
-    tl.store(p_row + tl.arange(0, SHAPE.TOP_W), b_top)
-    tl.store(p_row + SHAPE.TOP_W, n_out.to(tl.int64))
+    p_row = _tops_row(p_tops, i_b, i_h, i_s, TOP_W)
+    tl.store(p_row + tl.arange(0, TOP_W), b_top)
+    tl.store(p_row + TOP_W, n_out.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["T_max", "n_pages", "n_slots"])
@@ -461,27 +463,30 @@ def _attend_kernel(
     ``s_q``, ``s_k``, ``s_v``: (token, head) strides; ``s_o``, ``s_l``: (head, split) strides of
     the outputs."""
     G: tl.constexpr = SHAPE.G
+    GP: tl.constexpr = SHAPE.GP
     D: tl.constexpr = SHAPE.D
     C: tl.constexpr = SHAPE.C
+    TOP_P: tl.constexpr = SHAPE.TOP_P
     TOP_W: tl.constexpr = SHAPE.TOP_W
+    SPLITS_P: tl.constexpr = SHAPE.SPLITS_P
     KPS: tl.constexpr = SHAPE.KPS
     SLOTS_P: tl.constexpr = PICK.SLOTS_P
     s_qt, s_qh = s_q
     s_kt, s_kh = s_k
     s_vt, s_vh = s_v
     i_b, i_h, i_s = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, SHAPE.GP, 1, D, D)
+    b_q, m_row = load_queries(p_q, i_b, i_h, 0, 1, s_qb, s_qt, s_qh, G, GP, 1, D, D)
     t, cur, i_c, m_bad = _sequence(p_seqlens, p_slot, i_b, T_max, n_slots, C, MODE.SLOT_IDX)
     p_kh = p_k + i_c * s_kb + i_h * s_kh
     p_tb = p_table + i_b.to(tl.int64) * s_tb
 
     # The walk programs' best leaves, merged: every program's keys are its own leaves' (each
     # leaf scored by one program), so the best TOP_P of all are the best of their union.
-    o_p = tl.arange(0, SHAPE.SPLITS_P)
+    o_p = tl.arange(0, SPLITS_P)
     m_p = o_p < tl.num_programs(2)
     p_row = _tops_row(p_tops, i_b, i_h, 0, TOP_W) + o_p[:, None] * (TOP_W + 1)
     b_keys = tl.load(p_row + tl.arange(0, TOP_W)[None, :], mask=m_p[:, None], other=KEY_NONE)
-    b_top = tl.topk(tl.reshape(b_keys, [SHAPE.SPLITS_P * TOP_W]), SHAPE.TOP_P)
+    b_top = tl.topk(tl.reshape(b_keys, [SPLITS_P * TOP_W]), TOP_P)
     n_out = tl.sum(tl.load(p_row + TOP_W, mask=m_p[:, None], other=0))
 
     # The selected blocks, ascending; at most SLOTS entries are used.
@@ -502,9 +507,9 @@ def _attend_kernel(
         b_att = tl.where(m_out, -1, b_sel)  # a block without a page is not read (NaN row)
     p_vh = p_v + i_c * s_vb + i_h * s_vh
     o_t = tl.arange(0, C)
-    b_m = tl.full([SHAPE.GP], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([SHAPE.GP], dtype=tl.float32)
-    b_acc = tl.zeros([SHAPE.GP, D], dtype=tl.float32)
+    b_m = tl.full([GP], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([GP], dtype=tl.float32)
+    b_acc = tl.zeros([GP, D], dtype=tl.float32)
     for j in tl.range(0, KPS, num_stages=STAGES.ATTN):
         m_j = o_s == i_s * KPS + j
         blk = tl.sum(tl.where(m_j, b_att + 1, 0)) - 1
@@ -518,7 +523,7 @@ def _attend_kernel(
         b_z = tl.where(m_key[None, :], dot_nt(b_q, b_k, F32_PREC) * scale_log2, float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_z, b_v, b_m, b_l, b_acc, F32_PREC)
 
-    o_head = i_h * G + tl.arange(0, SHAPE.GP)
+    o_head = i_h * G + tl.arange(0, GP)
     b_o, b_lse = softmax_output(b_m, b_l, b_acc)
     b_o = tl.where(m_bad, float("nan"), b_o)
     b_lse = tl.where(m_bad, float("nan"), b_lse)
