@@ -31,8 +31,8 @@ their mean, ``steps`` their count). Generate synchronises once a step itself (it
 check), so the stamps add no sync there. Every arm first runs once at ``--warmup-len`` (kernels
 compiled; new lengths compile nothing). ``attn_calls`` counts the integration's calls of
 ``pisa_attn`` and ``pisa_attn_with_kvcache`` (prefill: more than one query; decode: one) in the
-timed run: which path a step took. ``tokens_equal`` / ``agree_prefix`` compare an arm's tokens
-with the first PISA arm's (``pisa_cache`` by default), ``first_logits_maxdiff`` the first
+timed run: which path a step took (calls inside a compiled graph are not counted).
+``tokens_equal`` / ``agree_prefix`` compare an arm's tokens with the first PISA arm's (``pisa_cache`` by default), ``first_logits_maxdiff`` the first
 token's logits (``generate``'s arms) (random weights give near-tied logits, so different kernels in bf16 may part
 after a few tokens; the ``PisaHFCache`` arms run the same kernels and must agree exactly).
 
@@ -84,9 +84,12 @@ class Calls:
 
     def _wrap(self, fn, key):
         def counted(q, *args, **kwargs):
-            phase = "decode" if q.shape[1] == 1 else "prefill"
-            self.counts.setdefault(key, {}).setdefault(phase, 0)
-            self.counts[key][phase] += 1
+            # not while compiling (pisa_static): dynamo would guard on the count's value and
+            # recompile every step until its limit, then run eager; compiled steps go uncounted
+            if not torch.compiler.is_compiling():
+                phase = "decode" if q.shape[1] == 1 else "prefill"
+                self.counts.setdefault(key, {}).setdefault(phase, 0)
+                self.counts[key][phase] += 1
             return fn(q, *args, **kwargs)
         return counted
 

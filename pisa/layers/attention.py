@@ -5,7 +5,7 @@ Why the window is a branch here and not a selection knob: the forced blocks (sin
 current) are built in one place per backend, but not one place for all of them: the Triton walk
 carries exactly three forced parents per level (``utils.walk_triton.forced_parents``, the
 ``PAR_SLOTS`` of ``select.triton``), ``utils.op.selection_row`` writes exactly those three, and
-the fused decode kernel repeats that walk (decode must equal prefill). Forcing ``w`` recent blocks
+the decode walk kernel repeats that walk (decode must equal prefill). Forcing ``w`` recent blocks
 would change each of those kernels. A window over the sparse attention kernels with a caller-made
 selection (``ops.attn.window_block_idx``) needs none of them, and as its own softmax, gated (as
 NSA's window branch), local attention cannot crowd the selected blocks out of one shared softmax.
