@@ -87,7 +87,8 @@ def main() -> None:
 
     def decode_args():  # the binder on the kernel's real argument list, alone
         captured = {}
-        b = binders["_walk_kernel" if "_walk_kernel" in binders else "_decode_kernel"]  # a tree's first
+        first = "_walk_kernel" if "_walk_kernel" in binders else "_decode_kernel"  # trees before
+        b = binders[first]
         bind = b.run
         b.run = lambda *a, **k: captured.setdefault("x", (a, k))
         step()

@@ -32,9 +32,10 @@ check), so the stamps add no sync there. Every arm first runs once at ``--warmup
 compiled; new lengths compile nothing). ``attn_calls`` counts the integration's calls of
 ``pisa_attn`` and ``pisa_attn_with_kvcache`` (prefill: more than one query; decode: one) in the
 timed run: which path a step took (calls inside a compiled graph are not counted).
-``tokens_equal`` / ``agree_prefix`` compare an arm's tokens with the first PISA arm's (``pisa_cache`` by default), ``first_logits_maxdiff`` the first
-token's logits (``generate``'s arms) (random weights give near-tied logits, so different kernels in bf16 may part
-after a few tokens; the ``PisaHFCache`` arms run the same kernels and must agree exactly).
+``tokens_equal`` / ``agree_prefix`` compare an arm's tokens with the first PISA arm's
+(``pisa_cache`` by default), ``first_logits_maxdiff`` the first token's logits (``generate``'s
+arms) (random weights give near-tied logits, so different kernels in bf16 may part after a few
+tokens; the ``PisaHFCache`` arms run the same kernels and must agree exactly).
 
 ``--profile``: ``torch.profiler`` (CPU and CUDA) over 3 decode steps of the ``pisa_cache`` arm
 inside ``generate``, and over 3 steps of the eager loop, at the longest length: the

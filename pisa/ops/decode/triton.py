@@ -110,9 +110,10 @@ _MAX_GROUP = 64  # query heads per KV head: the rows of every tile
 # "Triton tile minimum"); 32 rows were right there, and a decode step is bound by latency, not by
 # these tiny products.
 _MIN_ROWS = 32
-# Every split repeats the walk, ranks its share of the leaves and attends to K / SPLITS blocks. On the H200
-# (config A, B=1, 1M context, before the level skip and the pipelining) 16 splits (one block each)
-# measured 0.132 ms, 8 splits 0.137 ms, 4 splits 0.141 ms: the walks run in parallel on idle SMs.
+# Every split repeats the walk, ranks its share of the leaves and attends to K / SPLITS blocks.
+# On the H200 (config A, B=1, 1M context, before the level skip, the pipelining and the shared
+# leaf stage) 16 splits (one block each) measured 0.132 ms, 8 splits 0.137 ms, 4 splits 0.141 ms:
+# the walks run in parallel on idle SMs.
 _MAX_SPLITS = 16
 # Compiled for sm_90 with the launcher's arguments (config A: G=16, D=128, C=64, g=2, W=16, bf16,
 # 8 splits), ptxas gives 185 registers a thread at 8 warps and 248 at 4, neither spilling (at 16
