@@ -1,5 +1,5 @@
 """Attention of new queries against a KV cache (layout of ``kvcache``): one decode step
-(``decode_step``: the fused Triton kernel ``triton.decode_triton`` or
+(``decode_step``: the Triton kernels of ``triton.decode_triton`` or
 ``torch_backend.decode_torch``) and chunked prefill (``prefill_with_cache``: the training selection,
 on the pyramid taken from the cache's sums, and the sparse attention kernels).
 
