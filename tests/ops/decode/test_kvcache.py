@@ -336,9 +336,12 @@ def test_long_ragged_appends_equal_the_rebuilt_pyramid(device, rng):
     for L in (9000, 1, 6100):
         run(slice(None), L)
     _assert_bounds_match_keys(mins.cpu(), maxs.cpu(), k_ref.cpu(), lens.cpu(), C, g)
+    # fp32 sums of up to 20000 keys added in the order the CUDA atomics choose: the rounding
+    # grows as sqrt(n) * ulp(|sum| ~ 400) ~ 2e-3 at the top levels (1e-3 failed once on the
+    # H200); a key more or less would move a sum by ~1
     torch.testing.assert_close(sums.cpu().double(),
                                _rebuilt_sums(k_ref.double(), lens.cpu(), T, C, g),
-                               rtol=1e-5, atol=1e-3)
+                               rtol=1e-5, atol=1e-2)
 
 
 def _fused_and_torch(monkeypatch, *args, **kwargs):
