@@ -39,6 +39,7 @@ same way, with an elementwise min / max (``scatter_reduce_``) along the same anc
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -301,9 +302,8 @@ def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tensor,
     n_levels = len(offsets) - 1
     one_pass = n_levels * B * L * H * D <= _ONE_PASS_ELEMS
     if one_pass and _fused(k_new, v_new, sums):  # a decode step's few keys: one launch
-        from .kvcache_triton import append_triton
-        append_triton(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, C, branching, n_levels,
-                      mins, maxs, block_table, cache_batch_idx)
+        _append_triton()(k_cache, v_cache, sums, k_new, v_new, cache_seqlens, C, branching,
+                         n_levels, mins, maxs, block_table, cache_batch_idx)
         return
     pos = cache_seqlens.long()[:, None]  # [B, L]
     if L > 1:
@@ -411,6 +411,14 @@ def _fused(k_new: torch.Tensor, v_new: torch.Tensor, sums: torch.Tensor) -> bool
     bounds' atomics) and new rows with a contiguous head dim."""
     return (resolve_backend("auto", sums) == "triton" and sums.dtype == torch.float32
             and k_new.stride(-1) == 1 and v_new.stride(-1) == 1)
+
+
+@functools.cache
+def _append_triton():
+    """``kvcache_triton.append_triton``, imported on first use (Triton may be absent); an import
+    statement in every decode step's append would cost it a lookup each call."""
+    from .kvcache_triton import append_triton
+    return append_triton
 
 
 def _pad_fold(x: torch.Tensor, shift: torch.Tensor, group: int, fold: str,
