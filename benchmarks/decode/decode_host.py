@@ -1,7 +1,9 @@
 """Host (Python) time of one eager decode step, without a GPU: ``pisa_attn_with_kvcache`` on CPU
 tensors with the Triton launches replaced by Triton's own argument binder and cache-key lookup
 (``JITFunction.run`` up to the driver call), i.e. everything a CUDA step spends on the host
-before the launch itself. Shape: B=1, HQ=64, HKV=4, D=128, C=64, bf16, a 64K-key PisaCache,
+before the launch itself; where the tree launches through ``pisa.ops.utils.relaunch`` (the
+compiled kernel called directly after a first launch), the binder returns a stand-in compiled
+kernel whose launcher does nothing, so later steps time the direct launch's checks. Shape: B=1, HQ=64, HKV=4, D=128, C=64, bf16, a 64K-key PisaCache,
 topk=16 (config A).
 
 ``--hf``: one layer's step of transformers' decode over a ``PisaHFCache`` instead (the cache's
@@ -11,6 +13,8 @@ Llama attention of 32 query / 4 KV heads of 64, the integration's default knobs,
 cache): the pisa side of a ``generate`` step, per layer (needs transformers).
 
 CPU time of the thread (``time.thread_time``: the box is shared), best of 15 rounds.
+``--cuda``: the same step on a GPU, nothing stubbed (host time and back-to-back wall time a step).
+
 Run from a tree's root: ``PYTHONPATH=$PWD python3 benchmarks/decode/decode_host.py [--profile]``; works on
 trees before the decode refactor too (it only reaches ``pisa.ops.decode.triton``'s kernels).
 """
@@ -49,6 +53,32 @@ class _Binder:
     def run(self, *args, **kwargs):
         _, spec, options = self.bind(*args, **kwargs)
         compute_cache_key(self.keys, spec, options)
+        return _COMPILED
+
+
+class _Compiled:
+    """Stands in for the compiled kernel the binder found: its launcher does nothing, so a
+    ``Relaunch`` (where the tree has it) times its own checks before the driver call."""
+
+    function = packed_metadata = None
+
+    def run(self, *args):
+        pass
+
+
+class _Driver:
+    """Triton's driver on a machine without a GPU: device 0, stream 0."""
+
+    active = property(lambda self: self)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+
+_COMPILED = _Compiled()
 
 
 def _time(fn, n: int) -> float:
@@ -68,12 +98,16 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=65536)
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cuda", action="store_true",
+                    help="the real step on a GPU: host time a step, launches included")
     ap.add_argument("--hf", action="store_true",
                     help="a PisaHFCache layer step (update + attention), 128K keys")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.hf:
         return _hf(args)
+    if args.cuda:
+        return _cuda(args)
     B, HQ, HKV, D = 1, 64, 4, 128
     cache = pisa.PisaCache(B, args.seqlen, HKV, D, block_size=64, dtype=torch.bfloat16)
     cache.cache_seqlens.fill_(args.seqlen - 1)
@@ -98,7 +132,7 @@ def main() -> None:
 
     print(f"tree {os.getcwd()}  seqlen {args.seqlen}")
     print(f"  decode binder alone: {_time(decode_args(), 2000):7.1f} us")
-    print(f"  step, launch stubbed by the binder: {_time(step, args.n):7.1f} us")
+    print(f"  step, launches stubbed: {_time(step, args.n):7.1f} us")
     if args.profile:
         import cProfile
         import pstats
@@ -106,11 +140,51 @@ def main() -> None:
         pstats.Stats("/tmp/decode_host.prof").sort_stats("cumtime").print_stats(25)
 
 
+def _cuda(args) -> None:
+    """The ``--cuda`` mode: the eager step on the GPU, nothing stubbed. ``host``: the thread's
+    CPU time a step (the launches' driver calls included); ``wall``: steps back to back, then one
+    synchronisation (a step costs the larger of its host and GPU time); ``torch.empty``: one
+    small CUDA allocation, for scale."""
+    B, HQ, HKV, D = 1, 64, 4, 128
+    cache = pisa.PisaCache(B, args.seqlen, HKV, D, block_size=64, dtype=torch.bfloat16,
+                           device="cuda")
+    cache.k_cache.normal_()
+    cache.v_cache.normal_()
+    cache.cache_seqlens.fill_(args.seqlen - 1)
+    lens = torch.full((B,), args.seqlen - 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, 1, HQ, D, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        pisa.pisa_attn_with_kvcache(q, cache, cache_seqlens=lens, topk=16)
+
+    def wall(fn, n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    print(f"{torch.cuda.get_device_name()}  seqlen {args.seqlen}")
+    print(f"  step host: {_time(step, args.n):7.1f} us   wall: {wall(step, 1000):7.1f} us")
+    print(f"  torch.empty host: {_time(lambda: torch.empty(64, device='cuda'), 2000):7.2f} us")
+    if args.profile:
+        import cProfile
+        import pstats
+        cProfile.runctx("for _ in range(1000): step()", globals(), locals(), "/tmp/decode_host.prof")
+        pstats.Stats("/tmp/decode_host.prof").sort_stats("tottime").print_stats(30)
+
+
 def _stub_decode() -> dict:
     """The decode module's Triton functions replaced by their binders (its kernels, whatever a
     tree names them; its ``@triton.jit`` helpers are never launched) and returned by name."""
     from triton.runtime.jit import JITFunction
     binders = {name: _Binder(f) for name, f in vars(dec).items() if isinstance(f, JITFunction)}
+    try:
+        from pisa.ops.utils import relaunch
+        relaunch.driver = _Driver()
+    except ImportError:  # trees before it
+        pass
     for name, b in binders.items():
         setattr(dec, name, b)
     return binders

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils.relaunch import Relaunch
+
 
 @triton.jit
 def _append_kernel(p_kn, p_vn, p_k, p_v, p_sums, p_mins, p_maxs, p_lens, p_slot, p_table,
@@ -83,17 +85,40 @@ def append_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, sums: torch.Tens
     if B * L == 0:
         return
     paged = block_table is not None
-    T_max = block_table.shape[1] * block_size if paged else k_cache.shape[1]
     bound = mins is not None
     # unused pointers: the table when contiguous, the slots without cache_batch_idx, the bounds
     table = block_table if paged else cache_seqlens
     slots = cache_batch_idx if cache_batch_idx is not None else cache_seqlens
-    _append_kernel[(B * L, H)](
-        k_new, v_new, k_cache, v_cache, sums, mins if bound else sums, maxs if bound else sums,
-        cache_seqlens, slots, table, *k_new.stride()[:3], *v_new.stride()[:3],
-        0 if paged else k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        0 if paged else v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        table.stride(0), sums.stride(0), sums.stride(1), sums.stride(2), L, T_max,
-        sums.shape[0], k_cache.shape[0], triton.cdiv(T_max, block_size),
-        n_levels, block_size, D=D, DP=triton.next_power_of_2(D), BRANCH=branching, BOUND=bound,
-        PAGED=paged, SLOT_IDX=cache_batch_idx is not None, num_warps=1)
+    if not bound:
+        mins = maxs = sums
+    # everything but the tensors follows from this key: a decode step's append is host-bound
+    key = (k_new.shape, k_new.stride(), k_new.dtype, v_new.stride(), v_new.dtype, k_cache.shape,
+           k_cache.stride(), k_cache.dtype, v_cache.stride(), v_cache.dtype, sums.shape,
+           sums.stride(), sums.dtype, mins.dtype, maxs.dtype, cache_seqlens.dtype, table.shape,
+           table.stride(), table.dtype, slots.dtype, block_size, branching, n_levels, bound,
+           paged, cache_batch_idx is not None)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) >= 256:  # shapes that come and go (tests): no unbounded growth
+            _LAUNCHES.clear()
+        launch = _LAUNCHES[key] = _launch(k_cache, v_cache, sums, k_new, v_new, table,
+                                          block_size, branching, n_levels, bound, paged,
+                                          cache_batch_idx is not None)
+    launch(k_new, v_new, k_cache, v_cache, sums, mins, maxs, cache_seqlens, slots, table)
+
+
+_LAUNCHES: dict[tuple, Relaunch] = {}
+
+
+def _launch(k_cache, v_cache, sums, k_new, v_new, table, block_size: int, branching: int,
+            n_levels: int, bound: bool, paged: bool, slot_idx: bool) -> Relaunch:
+    """``_append_kernel``'s launch for inputs of this metadata (``append_triton``'s key)."""
+    B, L, H, D = k_new.shape
+    T_max = table.shape[1] * block_size if paged else k_cache.shape[1]
+    args = (*k_new.stride()[:3], *v_new.stride()[:3],
+            0 if paged else k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            0 if paged else v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            table.stride(0), sums.stride(0), sums.stride(1), sums.stride(2), L, T_max,
+            sums.shape[0], k_cache.shape[0], triton.cdiv(T_max, block_size), n_levels,
+            block_size, D, triton.next_power_of_2(D), branching, bound, paged, slot_idx)
+    return Relaunch(_append_kernel, (B * L, H, 1), args, num_warps=1)

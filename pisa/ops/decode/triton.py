@@ -99,6 +99,7 @@ from ..utils.geometry import cdiv, level_offsets, pow2
 from ..utils.op import (KEY_NONE, LOG2E, dot_nt, dot_nt_f32, empty, load_queries, load_rows,
                         online_softmax_step, pack, poisoned, selection_row, softmax_output,
                         store_rows, unpack_idx)
+from ..utils.relaunch import Relaunch
 from ..utils.triton_utils import DECODE_STAGE_SMEM, F32_PREC, pick_of
 from ..utils.walk_triton import candidates, forced_parents, leaf_keys, leaf_scores
 
@@ -652,16 +653,16 @@ class _Plan(NamedTuple):
     D: int
     HKV: int
     splits: int
-    splits_p: int
     tops: int           # the walk's row per program: TOP_W leaf keys and a page-miss count
-    walk_args: tuple    # ``_walk_kernel``'s arguments after its seven pointers
-    attend_args: tuple  # ``_attend_kernel``'s after its ten
-    num_warps: int
-    num_stages: int
+    walk: Relaunch      # ``_walk_kernel`` given its seven pointers
+    attend: Relaunch    # ``_attend_kernel`` given its ten
+    combine: Relaunch | None  # ``_combine_kernel`` given its four (several splits)
 
 
-# A decode step is host-bound (B=1 at 1M: a 0.115 ms kernel), so its launch constants are
-# computed once per (shapes, strides, cfg, knobs) and reused; a server sees a handful of keys.
+# A decode step is host-bound (B=1 at 1M: kernels of ~0.07 ms), so its launch constants and its
+# launches (``Relaunch``: after the first step, the compiled kernels called directly) are made once
+# per (shapes, strides, cfg, knobs) and reused; a server sees a handful of keys. A plan holds the
+# kernels it was made with: a tool standing in for them does so before the first step.
 _PLANS: dict[tuple, _Plan] = {}
 
 
@@ -714,8 +715,15 @@ def _plan(q, k_cache, v_cache, sums, table, cfg: SelectConfig, paged: bool, slot
                    k_strides[0], k_strides[1:], v_strides[0], v_strides[1:], table.stride(0),
                    o_strides[0], o_strides[1:], l_strides[0], l_strides[1:], i_strides[0],
                    i_strides[1], shape, modes, pick_of(cfg), pipes)
-    return _Plan(B, HQ, D, HKV, splits, pow2(splits), top_w + 1, walk_args, attend_args,
-                 num_warps or _NUM_WARPS, stages)
+    grid, warps = (B, HKV, splits), num_warps or _NUM_WARPS
+    combine = None
+    if splits > 1:  # o [B, 1, HQ, D] and lse [B, HQ, 1] of q's layout
+        combine = Relaunch(_combine_kernel, (B, HQ, 1), (HQ, HQ * D, D, splits, pow2(splits), D),
+                           num_warps=4)
+    return _Plan(B, HQ, D, HKV, splits, top_w + 1,
+                 Relaunch(_walk_kernel, grid, walk_args, num_warps=warps, num_stages=stages),
+                 Relaunch(_attend_kernel, grid, attend_args, num_warps=warps, num_stages=stages),
+                 combine)
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -777,11 +785,14 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     paged = block_table is not None
     table = block_table if paged else cache_seqlens  # an unused pointer when contiguous
     # everything but the tensors is a function of this key: computed once, reused every step
+    # (the dtypes included: a plan's compiled kernels are launched directly, ``Relaunch``)
+    slot_dtype = None if cache_batch_idx is None else cache_batch_idx.dtype
     key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.dtype, k_cache.stride(),
-           v_cache.stride(), sums.shape, sums.stride(), mins.shape, mins.dtype, mins.stride(),
-           maxs.shape, maxs.dtype, maxs.stride(), cache_seqlens.is_contiguous(), table.shape,
-           table.stride(), cfg, paged, cache_batch_idx is not None, return_block_idx,
-           num_splits, num_warps, num_stages)
+           v_cache.dtype, v_cache.stride(), sums.shape, sums.dtype, sums.stride(), mins.shape,
+           mins.dtype, mins.stride(), maxs.shape, maxs.dtype, maxs.stride(),
+           cache_seqlens.dtype, cache_seqlens.is_contiguous(), table.shape, table.dtype,
+           table.stride(), cfg, paged, slot_dtype, return_block_idx, num_splits, num_warps,
+           num_stages)
     try:
         plan = _PLANS.get(key)
     except TypeError:  # an unhashable knob: _check_supported names it
@@ -814,13 +825,9 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_idx = cache_batch_idx if cache_batch_idx is not None else cache_seqlens  # unused
     # every entry is written by the walk (its programs' best leaves, then their page misses)
     tops = torch.empty(B, HKV, splits, plan.tops, dtype=torch.int64, device=dev)
-    _walk_kernel[(B, HKV, splits)](
-        q, k_cache, (sums, mins, maxs), cache_seqlens, table, slot_idx, tops, *plan.walk_args,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
-    _attend_kernel[(B, HKV, splits)](
-        q, k_cache, v_cache, cache_seqlens, table, slot_idx, tops, out, out_lse, block_idx,
-        *plan.attend_args, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    plan.walk(q, k_cache, (sums, mins, maxs), cache_seqlens, table, slot_idx, tops)
+    plan.attend(q, k_cache, v_cache, cache_seqlens, table, slot_idx, tops, out, out_lse,
+                block_idx)
     if splits > 1:
-        _combine_kernel[(B, HQ)](out, out_lse, o, lse, HQ, o.stride(0), o.stride(2),
-                                 SPLITS=splits, SPLITS_P=plan.splits_p, D=D, num_warps=4)
+        plan.combine(out, out_lse, o, lse)
     return (o, lse, block_idx) if return_block_idx else (o, lse)
