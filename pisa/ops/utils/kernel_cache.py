@@ -204,10 +204,13 @@ def pisa_kernels():
 
 
 def _forget_compiled() -> None:
-    """Drop this process's compiled variants of every pisa kernel, so that the next launch
-    compiles (from Triton's disk cache: fast) and ``record`` sees it."""
+    """Drop this process's compiled variants of every pisa kernel (Triton's and those a
+    ``Relaunch`` keeps), so that the next launch compiles (from Triton's disk cache: fast) and
+    ``record`` sees it."""
+    from .relaunch import forget_compiled  # Triton's: imported where Triton is
     for fn in pisa_kernels():
         fn.device_caches.clear()
+    forget_compiled()
 
 
 @contextmanager

@@ -17,6 +17,8 @@ through it.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from triton import knobs
 from triton.runtime.driver import driver
@@ -44,11 +46,12 @@ class Relaunch:
     arguments after the tensors, in the kernel's order) and ``options`` (``num_warps``,
     ``num_stages``) fixed; ``__call__(*tensors)`` launches it."""
 
-    __slots__ = ("kernel", "grid", "args", "options", "compiled", "device")
+    __slots__ = ("kernel", "grid", "args", "options", "compiled", "device", "__weakref__")
 
     def __init__(self, kernel, grid: tuple[int, int, int], args: tuple, **options):
         self.kernel, self.grid, self.args, self.options = kernel, grid, args, options
         self.compiled = self.device = None
+        _LIVE.add(self)
 
     def __call__(self, *tensors) -> None:
         compiled = self.compiled
@@ -64,3 +67,14 @@ class Relaunch:
         # aligned tensors are all the direct launch checks for
         if hasattr(compiled, "packed_metadata") and _aligned(tensors):
             self.compiled, self.device = compiled, driver.active.get_current_device()
+
+
+_LIVE: weakref.WeakSet[Relaunch] = weakref.WeakSet()
+
+
+def forget_compiled() -> None:
+    """Every ``Relaunch``'s next launch goes through ``kernel[grid]`` again (``kernel_cache.record``
+    clears Triton's in-memory kernels so that it sees each variant compile: kept ones would hide
+    them)."""
+    for launch in list(_LIVE):
+        launch.compiled = launch.device = None

@@ -126,3 +126,13 @@ def test_interpreter_launches_through_the_jit_every_time(driver):
     for _ in range(3):
         launch(*_tensors())
     assert [c[0] for c in kernel.calls] == ["jit"] * 3
+
+
+def test_forget_compiled_sends_the_next_launch_through_the_jit(driver):
+    kernel = _Kernel()
+    launch = relaunch.Relaunch(kernel, GRID, ARGS)
+    launch(*_tensors())
+    relaunch.forget_compiled()
+    launch(*_tensors())
+    launch(*_tensors())
+    assert [c[0] for c in kernel.calls] == ["jit", "jit", "fast"]
