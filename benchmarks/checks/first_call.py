@@ -12,8 +12,10 @@ initialisation (timed apart: ``import_s``, ``cuda_init_s``):
 in modes ``cold`` (no manifest: ``PISA_PRECOMPILE=0``), ``manifest`` (the manifest that a
 ``pisa warmup`` in another process, with its own Triton cache, recorded for the shape: the call
 compiles its kernels in parallel first), ``shipped`` (no user manifest: what ships with pisa), and
-``warm`` (Triton's disk cache filled by that warmup: binaries load, nothing compiles). A ``cold``
-row lists when each kernel finished compiling (``compiles``, seconds into the call).
+``warm`` (Triton's disk cache filled by that warmup: binaries load, nothing compiles). Each row
+lists when each kernel finished compiling or loading (``compiles``: name, seconds into the call,
+``preload`` from a manifest or at its ``launch``; ``at_launch`` counts the latter: kernels no
+manifest named).
 
     python benchmarks/checks/first_call.py --json benchmarks/results/first_call_h200.json
 """
@@ -55,8 +57,9 @@ def _worker(args) -> dict:
                                     generator=g)
     compiles = []
     start = [0.0]
-    triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, **_: compiles.append(
-        (fn.name, round(time.perf_counter() - start[0], 3)))
+    triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, is_manual_warmup, **_: \
+        compiles.append((fn.name, round(time.perf_counter() - start[0], 3),
+                         "preload" if is_manual_warmup else "launch"))
     if args.op == "train":
         q, k, v = (make(args.T, H).requires_grad_() for H in (HQ, HKV, HKV))
         do = torch.randn_like(q)
@@ -84,7 +87,8 @@ def _worker(args) -> dict:
             for order, n in (("cumulative", 45), ("tottime", 15)):
                 pstats.Stats(profile, stream=f).sort_stats(order).print_stats(n)
     return {"first_s": first, "import_s": t_import, "cuda_init_s": t_cuda,
-            "compiled": len(compiles), "compiles": compiles}
+            "compiled": len(compiles),
+            "at_launch": sum(1 for c in compiles if c[2] == "launch"), "compiles": compiles}
 
 
 def _run(args, op: str, mode: str, pisa_cache: str, warm_triton: str) -> dict:
@@ -100,10 +104,7 @@ def _run(args, op: str, mode: str, pisa_cache: str, warm_triton: str) -> dict:
         out = subprocess.run([sys.executable, __file__, "--worker", "--op", op, "--shape",
                               args.shape, "--T", str(args.T), *profile], env=env, check=True,
                              stdout=subprocess.PIPE, text=True).stdout
-    row = json.loads(next(line for line in out.splitlines() if line.startswith("ROW "))[4:])
-    if mode != "cold":
-        row.pop("compiles")
-    return row
+    return json.loads(next(line for line in out.splitlines() if line.startswith("ROW "))[4:])
 
 
 def main():
@@ -139,7 +140,8 @@ def main():
                            backend="triton")
                 rows.append(row)
                 print(f"{op:6s} {mode:8s} first call {row['first_s']:6.2f} s "
-                      f"({row['compiled']} kernels compiled; import {row['import_s']:.1f} s, "
+                      f"({row['compiled']} kernels compiled or loaded, {row['at_launch']} at "
+                      f"their launch; import {row['import_s']:.1f} s, "
                       f"CUDA init {row['cuda_init_s']:.1f} s)", flush=True)
     worst = max(r["first_s"] for r in rows if r["mode"] == "manifest") \
         if any(r["mode"] == "manifest" for r in rows) else None

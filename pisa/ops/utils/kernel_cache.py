@@ -43,6 +43,9 @@ _lock = threading.Lock()
 _done: set[tuple] = set()  # calls this process has precompiled (or found nothing for)
 _keys: dict[tuple, str] = {}  # call -> its call_key, made once
 _current = threading.local()  # .key: the call_key of this thread's latest pisa call
+# the latest of any thread: ``record`` files a backward's kernels under it (autograd runs a CUDA
+# backward in a thread of its own, which makes no pisa call)
+_latest: str | None = None
 _recording = threading.Event()  # set inside ``record``: precompile stands aside
 _manifests: dict | None = None  # target -> key -> entries, shipped + user, read once
 
@@ -169,7 +172,12 @@ def precompile(entry: str, q: torch.Tensor, num_kv_heads: int, grad: bool, cfg=N
         if len(_keys) >= 1024:  # configs that come and go (tests): no unbounded growth
             _keys.clear()
         key = _keys[seen] = call_key(entry, q, num_kv_heads, grad, cfg)
-    _current.key = key
+    if _recording.is_set() and key != getattr(_current, "key", None):
+        # every variant this call launches compiles again and is filed under it, also those an
+        # earlier call of the record compiled (a kernel two calls share is in both entries)
+        _forget_compiled()
+    global _latest
+    _current.key = _latest = key
     # while recording, the call's launches compile in this thread, where the hook knows the
     # call (a preload on the pool would compile them unseen: a thread without ``_current.key``)
     if seen in _done or _recording.is_set() or os.environ.get("PISA_PRECOMPILE") == "0" \
@@ -227,7 +235,7 @@ def record(into: dict):
     tgt = target()
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        call = getattr(_current, "key", None)
+        call = getattr(_current, "key", None) or _latest
         if fn.module.startswith("pisa.") and call is not None:
             entries = into.setdefault(tgt, {}).setdefault(call, [])
             entry = {"kernel": f"{fn.module}:{fn.name}", "spec": compile["specialization_data"],

@@ -77,6 +77,51 @@ def test_record_files_compiles_under_the_latest_call(monkeypatch):
                                       "constants": [[[3], 16]]}]}}
 
 
+def test_record_files_a_backward_thread_s_compiles_under_the_latest_call(monkeypatch):
+    """Autograd runs a CUDA backward in a thread of its own, which makes no pisa call: its
+    kernels go under the latest call of any thread (the forward's)."""
+    import threading
+
+    import triton
+    from types import SimpleNamespace
+    monkeypatch.setattr(kc, "target", lambda: "t")
+    monkeypatch.setattr(kc, "_forget_compiled", lambda: None)
+    monkeypatch.delenv("PISA_PRECOMPILE", raising=False)
+    into = {}
+    q = torch.randn(1, 4, 8, 16)
+    with kc.record(into):
+        kc.precompile("pisa_attn", q, 2, True)
+
+        def backward():
+            triton.knobs.runtime.jit_post_compile_hook(
+                key="k", repr="r", fn=SimpleNamespace(module="pisa.ops.x", name="_bwd"),
+                compile={"specialization_data": "_bwd", "constants": {}},
+                is_manual_warmup=False, already_compiled=False)
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join()
+    assert list(into["t"]) == [kc.call_key("pisa_attn", q, 2, True)]
+    assert [e["kernel"] for e in into["t"][kc.call_key("pisa_attn", q, 2, True)]] \
+        == ["pisa.ops.x:_bwd"]
+
+
+def test_record_recompiles_at_each_new_call(monkeypatch):
+    """While recording, a call of another key than the thread's previous one drops the compiled
+    kernels, so that a variant an earlier call compiled is filed under this call too."""
+    forgets = []
+    monkeypatch.setattr(kc._current, "key", None, raising=False)  # an earlier test's call
+    monkeypatch.setattr(kc, "_forget_compiled", lambda: forgets.append(1))
+    monkeypatch.setattr(kc, "target", lambda: "t")
+    monkeypatch.delenv("PISA_PRECOMPILE", raising=False)
+    q = torch.randn(1, 4, 8, 16)
+    with kc.record({}):
+        n = len(forgets)  # record's own
+        for grad in (True, True, False, False, True):
+            kc.precompile("pisa_attn", q, 2, grad)
+        assert len(forgets) - n == 3  # the first call, then each change of key
+    kc._done.clear()
+
+
 def test_precompile_stands_aside_while_recording(monkeypatch):
     """Inside ``record`` a call's kernels must compile at its own launches, in the thread whose
     latest call the hook files them under: a preload from an older manifest would compile them
