@@ -92,7 +92,7 @@ def _worker(args) -> dict:
 
 
 def _run(args, op: str, mode: str, pisa_cache: str, warm_triton: str) -> dict:
-    profile = ["--profile", args.profile] if args.profile and (op, mode) == ("train", "warm") \
+    profile = ["--profile", args.profile] if args.profile and f"{op}/{mode}" == args.profile_row \
         else []
     env = dict(os.environ, PISA_CACHE_DIR=pisa_cache)
     if mode == "cold":
@@ -115,7 +115,8 @@ def main():
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None,
-                    help="write a cProfile of the warm train row's first call here")
+                    help="write a cProfile of one row's first call here (--profile-row)")
+    ap.add_argument("--profile-row", default="train/warm", help="OP/MODE (default train/warm)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--op", choices=OPS, help=argparse.SUPPRESS)
     args = ap.parse_args()
