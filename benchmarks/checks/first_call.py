@@ -2,8 +2,10 @@
 ``pisa warmup`` manifest (``pisa.ops.utils.kernel_cache``).
 
 Each row is one fresh process with an empty Triton cache (a new ``TRITON_CACHE_DIR``) timing its
-first call, wall clock with the device synchronised, after ``import pisa`` and CUDA's
-initialisation (timed apart: ``import_s``, ``cuda_init_s``):
+first call, wall clock with the device synchronised, after ``import pisa``, CUDA's initialisation
+and, for ``train``, torch's own first backward (of a 4-element tensor: it imports sympy and
+torch's symbolic shapes, ~2 s on the H200's host, which any model's first backward pays; timed
+apart: ``import_s``, ``cuda_init_s``, ``autograd_init_s``):
 
 - ``train``: ``pisa_attn`` forward + backward at ``--T`` (config A unless ``--shape``);
 - ``decode``: a ``PisaCache`` prefilled with ``--T`` tokens through ``pisa_attn_with_kvcache``,
@@ -51,6 +53,12 @@ def _worker(args) -> dict:
     torch.empty(1, device="cuda")
     torch.cuda.synchronize()
     t_cuda = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.op == "train":  # torch's own first backward: any model's pays it (sympy's import)
+        x = torch.randn(4, device="cuda", requires_grad=True)
+        (x * 2).backward(torch.ones_like(x))
+        torch.cuda.synchronize()
+    t_autograd = time.perf_counter() - t0
     HQ, HKV, D = (int(x) for x in args.shape.split("/"))
     g = torch.Generator(device="cuda").manual_seed(0)
     make = lambda T, H: torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16,  # noqa: E731
@@ -87,6 +95,7 @@ def _worker(args) -> dict:
             for order, n in (("cumulative", 45), ("tottime", 15)):
                 pstats.Stats(profile, stream=f).sort_stats(order).print_stats(n)
     return {"first_s": first, "import_s": t_import, "cuda_init_s": t_cuda,
+            "autograd_init_s": t_autograd,
             "compiled": len(compiles),
             "at_launch": sum(1 for c in compiles if c[2] == "launch"), "compiles": compiles}
 

@@ -6,17 +6,23 @@ once, is most of a fresh process's first call. Triton keeps each compiled kernel
 cache (``triton.knobs.cache.dir``, ``$TRITON_CACHE_DIR``) under a hash of everything that decides
 the binary (Triton's version and backend, the kernel's source, its specialisation and options),
 as a group file naming the kernel's metadata (``<name>.json``) and binary (``<name>.cubin``),
-which is all a launch loads. ``pack`` copies those two files of pisa's kernels from a filled cache
-(``pisa warmup --binaries``, on the machine the binaries are for) into a tar.xz, per target;
-``seed`` writes the missing ones into this process's Triton cache, through Triton's own cache
-manager. An entry that no longer matches (another Triton, GPU, or kernel source) is simply never
-looked up: the launch compiles as usual.
+which is all a launch loads. Each kernel signature also needs a host launcher, a C module Triton
+builds with the system's compiler at the kernel's first load (~0.3 s each: 3 s of a fresh
+process's first ``pisa_attn`` forward + backward whose binaries were all on disk) and keeps in the
+same cache as a lone ``__triton_launcher<EXT_SUFFIX>`` under a hash of its C source and the
+platform (its CUDA utilities module likewise). ``pack`` copies those two files of pisa's kernels
+and every such host module from a filled cache (``pisa warmup --binaries``, on the machine the
+binaries are for) into a tar.xz, per target; ``seed`` writes the missing ones into this process's
+Triton cache, through Triton's own cache manager (host modules only where their file name carries
+this Python's extension suffix). An entry that no longer matches (another Triton, GPU, kernel
+source, Python or platform) is simply never looked up: the launch compiles as usual.
 """
 from __future__ import annotations
 
 import io
 import json
 import os
+import sysconfig
 import tarfile
 import threading
 import warnings
@@ -36,8 +42,9 @@ def _member_root(target: str) -> str:
 def pack(cache_dir: str | os.PathLike, names: set[str], target: str,
          out: str | os.PathLike) -> int:
     """Add the Triton cache entries under ``cache_dir`` of the kernels named ``names`` (their
-    metadata and binary) to the archive ``out`` under ``target`` (entries already there for
-    other targets are kept); returns how many kernels it holds for ``target``."""
+    metadata and binary) and its host modules to the archive ``out`` under ``target`` (entries
+    already there for other targets are kept); returns how many kernels it holds for
+    ``target``."""
     root = _member_root(target)
     files = _read_archive(Path(out))
     files = {k: v for k, v in files.items() if not k.startswith(root + "/")}
@@ -51,6 +58,8 @@ def pack(cache_dir: str | os.PathLike, names: set[str], target: str,
             continue
         for c in keep:
             files[f"{root}/{group.parent.name}/{c}"] = Path(children[c]).read_bytes()
+    for module in Path(cache_dir).glob("*/*.so"):  # Triton's host modules: launchers, utilities
+        files[f"{root}/{module.parent.name}/{module.name}"] = module.read_bytes()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(out, "w:xz") as tar:
         for member, data in sorted(files.items()):
@@ -70,14 +79,23 @@ def _read_archive(path: Path) -> dict[str, bytes]:
 def seed(target: str, archive: str | os.PathLike) -> int:
     """Write the entries for ``target`` of the archive (``SHIPPED``: pisa's) that this process's
     Triton cache lacks into it (Triton's ``FileCacheManager``: atomic writes, its own group
-    files); returns how many."""
+    files), and the host modules of this Python; returns how many kernels."""
     from triton.runtime.cache import FileCacheManager
     root = _member_root(target) + "/"
     groups: dict[tuple[str, str], dict[str, bytes]] = {}
+    modules: dict[tuple[str, str], bytes] = {}
     for member, data in _read_archive(Path(archive)).items():
         if member.startswith(root):
             key, filename = member[len(root):].split("/", 1)
-            groups.setdefault((key, filename.rsplit(".", 1)[0]), {})[filename] = data
+            if filename.endswith(".so"):
+                modules[key, filename] = data
+            else:
+                groups.setdefault((key, filename.rsplit(".", 1)[0]), {})[filename] = data
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    for (key, filename), data in modules.items():
+        manager = FileCacheManager(key)
+        if filename.endswith(suffix) and manager.get_file(filename) is None:
+            manager.put(data, filename, binary=True)
     written = 0
     for (key, name), children in groups.items():
         manager = FileCacheManager(key)

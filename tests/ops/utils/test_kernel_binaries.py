@@ -54,6 +54,26 @@ def test_pack_then_seed_gives_the_kernels_metadata_and_binary(cache_dir, tmp_pat
     assert kb.seed(TARGET, archive) == 0, "present entries are left as they are"
 
 
+def test_pack_then_seed_gives_triton_s_host_modules_of_this_python(cache_dir, tmp_path):
+    """Kernel launchers (C modules Triton builds at a kernel's first load) travel too, and are
+    seeded only where their file name carries this Python's extension suffix."""
+    import sysconfig
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    cache_dir("filled")
+    _compiled("a" * 16, "_decode_kernel")
+    ours = FileCacheManager("l" * 16).put(b"\x7fELF ours", f"__triton_launcher{suffix}",
+                                         binary=True)
+    FileCacheManager("m" * 16).put(b"\x7fELF py99", "__triton_launcher.cpython-99.so",
+                                   binary=True)
+    archive = tmp_path / "bin.tar.xz"
+    kb.pack(triton.knobs.cache.dir, {"_decode_kernel"}, TARGET, archive)
+    cache_dir("fresh")
+    assert kb.seed(TARGET, archive) == 1
+    seeded = FileCacheManager("l" * 16).get_file(f"__triton_launcher{suffix}")
+    assert seeded is not None and open(seeded, "rb").read() == open(ours, "rb").read()
+    assert FileCacheManager("m" * 16).get_file("__triton_launcher.cpython-99.so") is None
+
+
 def test_pack_keeps_other_targets_and_skips_incomplete_entries(cache_dir, tmp_path):
     archive = tmp_path / "bin.tar.xz"
     cache_dir("h100")
