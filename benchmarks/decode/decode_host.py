@@ -81,6 +81,18 @@ class _Driver:
 _COMPILED = _Compiled()
 
 
+def _profile(step, n: int, order: str) -> None:
+    """cProfile of ``n`` steps: its top 30 rows by ``order``."""
+    import cProfile
+    import pstats
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        step()
+    profile.disable()
+    pstats.Stats(profile).sort_stats(order).print_stats(30)
+
+
 def _time(fn, n: int) -> float:
     for _ in range(20):
         fn()
@@ -134,10 +146,7 @@ def main() -> None:
     print(f"  decode binder alone: {_time(decode_args(), 2000):7.1f} us")
     print(f"  step, launches stubbed: {_time(step, args.n):7.1f} us")
     if args.profile:
-        import cProfile
-        import pstats
-        cProfile.runctx("for _ in range(300): step()", globals(), locals(), "/tmp/decode_host.prof")
-        pstats.Stats("/tmp/decode_host.prof").sort_stats("cumtime").print_stats(25)
+        _profile(step, 300, "cumtime")
 
 
 def _cuda(args) -> None:
@@ -169,10 +178,7 @@ def _cuda(args) -> None:
     print(f"  step host: {_time(step, args.n):7.1f} us   wall: {wall(step, 1000):7.1f} us")
     print(f"  torch.empty host: {_time(lambda: torch.empty(64, device='cuda'), 2000):7.2f} us")
     if args.profile:
-        import cProfile
-        import pstats
-        cProfile.runctx("for _ in range(1000): step()", globals(), locals(), "/tmp/decode_host.prof")
-        pstats.Stats("/tmp/decode_host.prof").sort_stats("tottime").print_stats(30)
+        _profile(step, 1000, "tottime")
 
 
 def _stub_decode() -> dict:
@@ -230,10 +236,7 @@ def _hf(args) -> None:
     print(f"tree {os.getcwd()}  PisaHFCache layer step at {T} keys")
     print(f"  update + attention, launch stubbed by the binder: {_time(step, 30):7.1f} us")
     if args.profile:
-        import cProfile
-        import pstats
-        cProfile.runctx("for _ in range(200): step()", globals(), locals(), "/tmp/decode_host.prof")
-        pstats.Stats("/tmp/decode_host.prof").sort_stats("tottime").print_stats(25)
+        _profile(step, 200, "tottime")
 
 
 if __name__ == "__main__":
