@@ -634,9 +634,12 @@ def test_gpu_static_cache_generate_is_compiled_and_graphed(layers):
     ref = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512))
     got = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512, static=True))
     if layers is None:  # the same kernels, eager or in a graph
-        assert torch.equal(got[0], ref[0])
+        assert torch.equal(got[0], ref[0]), f"seed {seed}"
     else:  # the dense layer's compiled step attends every slot under a mask: other bf16 sums
-        _assert_greedy_close(got, ref, rtol=2e-2)
+        try:  # (this case failed 2 of 5 H200 runs on 2026-12-03: the seed replays a draw)
+            _assert_greedy_close(got, ref, rtol=2e-2)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
 
 
 def _assert_greedy_close(got, ref, rtol):
