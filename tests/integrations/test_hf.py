@@ -1,4 +1,6 @@
 """``attn_implementation="pisa"`` in transformers on a tiny random-weight Llama (CPU, fp32)."""
+import shutil
+
 import pytest
 import torch
 
@@ -560,17 +562,23 @@ def test_static_cache_refuses_padding_and_bad_arguments(rng):
             sparse(ids, attention_mask=torch.cat([mask, mask], 1), **kw)
 
 
-@pytest.mark.parametrize("layers", [[1], []])
-def test_static_cache_of_a_hybrid_model_compiles_one_graph_equal_to_the_eager_cache(rng, layers):
+@pytest.mark.parametrize("layers,backend", [([1], "aot_eager"), ([], "aot_eager"),
+                                            ([1], "inductor")])
+def test_static_cache_of_a_hybrid_model_compiles_one_graph_equal_to_the_eager_cache(
+        rng, layers, backend):
     """A hybrid model (``config.pisa_layers``; ``[]``: every layer dense) over a static cache: its
     dense layers attend the held slots (eager: the prompt; compiled: a masked step over every
-    slot), one graph for every token, the tokens and logits of the eager ``PisaHFCache``."""
+    slot), one graph for every token, the tokens and logits of the eager ``PisaHFCache`` (fp32:
+    in bf16 the compiled step's other roundings flip near-tied block choices of the sparse layer
+    now and then, which moves a step's logits by ~10x the rest; ``docs/serving.md``)."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
+    if backend == "inductor" and shutil.which("g++") is None and shutil.which("clang++") is None:
+        pytest.skip("inductor on the CPU needs a C++ compiler")
     _, sparse = _pair(layers=layers)
     prompt, new = torch.randint(0, 128, (2, FITS + 5)), FITS + 6
     ref = _greedy(sparse, prompt, new, pisa_hf.PisaHFCache(sparse.config, 4 * FITS))
-    compiled = CompileConfig(backend="aot_eager", fullgraph=True)
+    compiled = CompileConfig(backend=backend, fullgraph=True)
     compiled._compile_all_devices = True
     torch._dynamo.reset()
     counters.clear()
@@ -621,44 +629,27 @@ def test_gpu_graph_decoder_replays_the_eager_steps():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("layers", [None, [1]])
-def test_gpu_static_cache_generate_is_compiled_and_graphed(layers):
+@pytest.mark.parametrize("layers,dtype", [(None, torch.bfloat16), ([1], torch.float32)])
+def test_gpu_static_cache_generate_is_compiled_and_graphed(layers, dtype):
     """On CUDA ``generate`` compiles a static cache's decode steps by default (inductor,
-    ``reduce-overhead``: CUDA graphs); the tokens are the eager ``PisaHFCache``'s (bf16), a
-    hybrid model's too."""
+    ``reduce-overhead``: CUDA graphs); the tokens are the eager ``PisaHFCache``'s: bit for bit for
+    the all-PISA model (the same kernels, eager or in a graph), and within fp32 rounding for a
+    hybrid one, whose compiled dense layer attends every slot under a mask. (In bf16 that layer's
+    other roundings flip near-tied block choices of the sparse layer now and then: 13 of 25 seeds
+    parted on the CPU under inductor, 0 of 25 in fp32, ``benchmarks/checks/static_cache_rounding.py``;
+    a bf16 comparison failed 2 of 5 H200 runs.)"""
     seed = int(torch.randint(0, 2**31, ()))
     model = tiny_llama(seed=seed, attn_implementation="pisa", block_size=16, topk=4,
                        layers=layers)
-    model = model.to("cuda", torch.bfloat16)
+    model = model.to("cuda", dtype)
     prompt = torch.randint(2, 128, (2, 200), device="cuda")
     ref = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512))
     got = _greedy(model, prompt, 40, pisa_hf.PisaHFCache(model.config, 512, static=True))
-    if layers is None:  # the same kernels, eager or in a graph
-        assert torch.equal(got[0], ref[0]), f"seed {seed}"
-    else:  # the dense layer's compiled step attends every slot under a mask: other bf16 sums
-        try:  # (this case failed 2 of 5 H200 runs on 2026-12-03: the seed replays a draw)
-            _assert_greedy_close(got, ref, rtol=2e-2)
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}: {e}") from e
-
-
-def _assert_greedy_close(got, ref, rtol):
-    """Two greedy runs ``(sequences, logits)`` of one model whose attention sums in a different
-    order (bf16): the same prompt, logits within ``rtol`` of the reference's largest up to the
-    first token where they part, and there the reference's choice no further ahead of the other
-    run's than that tolerance (a near tie, not a wrong step)."""
-    (seq, logits), (seq_ref, logits_ref) = got, ref
-    n = logits.shape[1]
-    assert torch.equal(seq[:, :-n], seq_ref[:, :-n])
-    tol = rtol * float(logits_ref.float().abs().amax())
-    for b in range(seq.shape[0]):
-        new, new_ref = seq[b, -n:], seq_ref[b, -n:]
-        parted = (new != new_ref).nonzero()
-        i = int(parted[0]) if len(parted) else n - 1
-        torch.testing.assert_close(logits[b, :i + 1].float(), logits_ref[b, :i + 1].float(),
-                                   rtol=0, atol=tol)
-        row = logits_ref[b, i].float()
-        assert float(row[new_ref[i]] - row[new[i]]) <= 2 * tol, (b, i)
+    assert torch.equal(got[0], ref[0]), f"seed {seed}"
+    if layers is not None:
+        scale = float(ref[1].abs().amax())
+        torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-3 * scale,
+                                   msg=lambda m: f"seed {seed}: {m}")
 
 
 @pytest.mark.gpu
