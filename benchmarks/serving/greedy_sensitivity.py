@@ -14,7 +14,8 @@ logits and the logits' scale.
 Rows (``pisa.results`` schema, ``op: "greedy_sensitivity"``, ``impl: "sdpa"``; extra columns
 ``seed``, ``agree_prefix``, ``new_tokens``, ``max_logit_diff``, ``median_top2_gap``,
 ``logit_scale``). Default: the model of ``hf_generate.py`` (8 layers, width 2048, 32 / 4 heads
-of 64, vocabulary 32000), bf16, a 512-token random prompt, 32 new tokens, seeds 1-3.
+of 64, vocabulary 32000; ``hf_generate.build_model``), bf16, a 512-token random prompt, 32 new
+tokens, noise seeds 1-3.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import command, meta, result_row, write_result  # noqa: E402
-from pisa.eval.model import random_model  # noqa: E402
+from hf_generate import add_model_args, build_model  # noqa: E402 (this folder)
 
 
 def _noise(model, seed: int) -> list:
@@ -61,20 +62,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="noise seeds")
+    add_model_args(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = random_model("llama", vocab_size=args.vocab, num_layers=args.layers,
-                         hidden_size=args.hidden, num_heads=args.heads,
-                         num_kv_heads=args.kv_heads, head_dim=args.head_dim)
-    model = model.to(args.device, torch.bfloat16)
+    args.lengths = [args.prompt_len]  # what build_model sizes the positions for
+    model = build_model(args, args.device, torch.bfloat16)
     ids = torch.randint(2, args.vocab, (1, args.prompt_len), device=args.device)
     ref, ref_logits = _greedy(model, ids, args.new_tokens, None)
     top2 = ref_logits.topk(2, dim=-1).values

@@ -124,6 +124,23 @@ class Clock:
         return self._false
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model's shape, seed and PISA knobs on the command line (``build_model`` reads them)."""
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--topk", type=int, default=None, help="config.pisa_topk (default: pisa's)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--branching", type=int, default=None,
+                   help="config.pisa_branching: the prompt's pyramid and the cache's (decode "
+                        "walks half the levels at 4)")
+    p.add_argument("--scorer", default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def build_model(args, device: str, dtype: torch.dtype):
     """The random-weight Llama of the run on ``device`` in ``dtype``, dense (sdpa) attention,
     PISA knobs from the command line on its config."""
@@ -344,18 +361,7 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--topk", type=int, default=None, help="config.pisa_topk (default: pisa's)")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--branching", type=int, default=None,
-                   help="config.pisa_branching: the prompt's pyramid and the cache's (decode "
-                        "walks half the levels at 4)")
-    p.add_argument("--scorer", default=None)
+    add_model_args(p)
     p.add_argument("--warmup-len", type=int, default=4096,
                    help="prompt of every arm's untimed first run (capped at the shortest length; "
                         "0: none)")
@@ -364,7 +370,6 @@ def main(argv=None) -> None:
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no new (length, arm) run after this many seconds")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.new_tokens < 2 + args.graph_warmup:
